@@ -1,0 +1,85 @@
+"""Shared helpers for every op: backend choice and input validation.
+
+Backend choice is a run-time setting (``TTR_KERNEL_BACKEND=triton|torch``), never stored in a
+model config. Default: Triton on CUDA tensors, torch on CPU tensors. Under the Triton
+interpreter (``TRITON_INTERPRET=1``) ``TTR_KERNEL_BACKEND=triton`` runs the Triton kernels on
+CPU tensors too, which is how CI checks them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_backend(x: torch.Tensor) -> str:
+    """Return ``"triton"`` or ``"torch"`` for an op whose main input is ``x``."""
+    choice = os.environ.get("TTR_KERNEL_BACKEND", "").strip().lower()
+    if choice and choice not in BACKENDS:
+        raise ValueError(f"TTR_KERNEL_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    if not choice:
+        return "triton" if x.is_cuda else "torch"
+    if choice == "triton" and not x.is_cuda and not interpreter_active():
+        raise ValueError(
+            "TTR_KERNEL_BACKEND=triton with CPU tensors needs the Triton interpreter "
+            "(set TRITON_INTERPRET=1 before importing ttr) or CUDA tensors"
+        )
+    return choice
+
+
+def check_dtype(name: str, x: torch.Tensor, allowed=SUPPORTED_DTYPES) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in allowed and x.dtype != torch.float64:
+        raise TypeError(f"{name} has unsupported dtype {x.dtype}; expected one of {allowed}")
+
+
+def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have shape {layout} ({rank} dims), got {tuple(x.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> int:
+    """Validate the FlashAttention packing convention; return the number of sequences N."""
+    if cu_seqlens is None:
+        return batch
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"packed input (cu_seqlens given) needs batch size 1, got B={batch}")
+    cpu = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cpu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
+    if bool((cpu[1:] < cpu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if int(cpu[-1]) != seqlen:
+        raise ValueError(f"cu_seqlens must end at T={seqlen}, got {int(cpu[-1])}")
+    return cpu.numel() - 1
+
+
+def check_initial_state(initial_state: torch.Tensor | None, n: int, h: int, k: int, v: int) -> None:
+    if initial_state is None:
+        return
+    check_rank("initial_state", initial_state, 4, "[N, H, K, V]")
+    if tuple(initial_state.shape) != (n, h, k, v):
+        raise ValueError(f"initial_state must have shape [N, H, K, V] = {(n, h, k, v)}, got {tuple(initial_state.shape)}")
+
+
+def check_head_dim(name: str, d: int) -> None:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"{name} head dim {d} exceeds the supported maximum {MAX_HEAD_DIM}")
