@@ -1,0 +1,206 @@
+"""RMSNorm and gated RMSNorm (the output norm of Mamba2 and Gated DeltaNet).
+
+Over the last dimension D of ``x [..., D]`` with fp32 statistics::
+
+    rstd = 1 / sqrt(mean(x^2) + eps)
+    rms_norm(x, w)          = x * rstd * w
+    gated_rms_norm(x, z, w) = x * rstd * w * silu(z)      (Mamba2's norm-before-gate form)
+
+Outputs have x's dtype. Backward (xhat = x * rstd, dy' = dy * silu(z) for the gated form)::
+
+    dx = rstd * (w * dy' - xhat * mean(xhat * w * dy'))
+    dz = dy * xhat * w * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
+    dw = sum over rows of dy' * xhat
+
+The Triton kernels hold one row in one block (D up to 8192); the backward kernel walks a range
+of rows per program and writes one fp32 partial dw per program, reduced with torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttr.kernels.utils import check_dtype, kernel_backend
+
+MAX_D = 8192
+
+
+def _num_warps(bd: int) -> int:
+    return min(16, max(1, bd // 256))
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x, z, w, y, rstd, D, eps, HAS_Z: tl.constexpr, BD: tl.constexpr):
+    i_r = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(x + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_y = b_x * b_rstd * b_w
+    if HAS_Z:
+        b_z = tl.load(z + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(y + i_r * D + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+    tl.store(rstd + i_r, b_rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    x, z, w, dy, rstd, dx, dz, dw, R, D, ROWS: tl.constexpr, HAS_Z: tl.constexpr, BD: tl.constexpr
+):
+    i_p = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    i_start = i_p * ROWS
+    i_end = tl.minimum(i_start + ROWS, R)
+    # 64-bit row offset once, then pointers advance by D per row (no int32 overflow in R * D)
+    o_r = i_start.to(tl.int64) * D
+    p_x, p_dy, p_dx = x + o_r + o_d, dy + o_r + o_d, dx + o_r + o_d
+    p_z, p_dz = z + o_r + o_d, dz + o_r + o_d
+    for i_r in range(i_start, i_end):
+        b_x = tl.load(p_x, mask=m_d, other=0.0).to(tl.float32)
+        b_dy = tl.load(p_dy, mask=m_d, other=0.0).to(tl.float32)
+        b_rstd = tl.load(rstd + i_r)
+        b_xhat = b_x * b_rstd
+        if HAS_Z:
+            b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
+            b_sig = tl.sigmoid(b_z)
+            b_dz = b_dy * b_xhat * b_w * b_sig * (1.0 + b_z * (1.0 - b_sig))
+            tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=m_d)
+            b_dy = b_dy * b_z * b_sig
+        b_dw += b_dy * b_xhat
+        b_wdy = b_dy * b_w
+        b_dx = b_rstd * (b_wdy - b_xhat * (tl.sum(b_wdy * b_xhat, axis=0) / D))
+        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_d)
+        p_x += D
+        p_dy += D
+        p_dx += D
+        p_z += D
+        p_dz += D
+    tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
+
+
+def _bwd_programs(rows: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+def _triton_fwd(x2, z2, w, eps):
+    rows, d = x2.shape
+    bd = triton.next_power_of_2(d)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
+    if rows:
+        _rms_norm_fwd_kernel[(rows,)](
+            x2, z2 if z2 is not None else x2, w, y, rstd, d, eps,
+            HAS_Z=z2 is not None, BD=bd, num_warps=_num_warps(bd),
+        )  # fmt: skip
+    return y, rstd
+
+
+def _triton_bwd(x2, z2, w, dy2, rstd):
+    rows, d = x2.shape
+    bd = triton.next_power_of_2(d)
+    dx = torch.empty_like(x2)
+    dz = torch.empty_like(z2) if z2 is not None else None
+    progs = _bwd_programs(rows, x2.device)
+    per = triton.cdiv(rows, progs) if rows else 1
+    progs = triton.cdiv(rows, per) if rows else 0
+    dw = torch.zeros(max(progs, 1), d, dtype=torch.float32, device=x2.device)
+    if rows:
+        _rms_norm_bwd_kernel[(progs,)](
+            x2, z2 if z2 is not None else x2, w, dy2, rstd, dx, dz if dz is not None else dx, dw,
+            rows, d, ROWS=per, HAS_Z=z2 is not None, BD=bd, num_warps=_num_warps(bd),
+        )  # fmt: skip
+    return dx, dz, dw.sum(0).to(w.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, z, weight, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        z2 = z.reshape(-1, shape[-1]).contiguous() if z is not None else None
+        w = weight.contiguous()
+        y, rstd = _triton_fwd(x2, z2, w, eps)
+        ctx.save_for_backward(x2, z2, w, rstd)
+        ctx.shape = shape
+        return y.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, z2, w, rstd = ctx.saved_tensors
+        dy2 = dy.reshape(x2.shape).contiguous()
+        dx, dz, dw = _triton_bwd(x2, z2, w, dy2, rstd)
+        dz = dz.reshape(ctx.shape) if dz is not None else None
+        return dx.reshape(ctx.shape), dz, dw, None
+
+
+def _check(x, z, weight, eps) -> None:
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dim [..., D]")
+    d = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != d:
+        raise ValueError(f"weight must have shape [D] = [{d}], got {tuple(weight.shape)}")
+    if d > MAX_D:
+        raise ValueError(f"x last dim D={d} exceeds the supported maximum {MAX_D}")
+    if z is not None:
+        check_dtype("z", z)
+        if z.shape != x.shape:
+            raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    for name, other in (("weight", weight), ("z", z)):
+        if other is not None and other.device != x.device:
+            raise ValueError(f"{name} is on {other.device} but x is on {x.device}")
+
+
+def _torch_norm(x, z, weight, eps):
+    """Autograd through plain torch ops, fp32 (fp64 for fp64 inputs) statistics."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.to(dt))
+    return y.to(x.dtype)
+
+
+def reference_rms_norm(x, weight, *, eps=1e-6):
+    """Oracle: the formula in x's dtype promoted to fp32."""
+    _check(x, None, weight, eps)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
+    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.to(dt)).to(x.dtype)
+
+
+def reference_gated_rms_norm(x, z, weight, *, eps=1e-6):
+    """Oracle: rms_norm(x) * weight * z * sigmoid(z) in x's dtype promoted to fp32."""
+    _check(x, z, weight, eps)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf, zf = x.to(dt), z.to(dt)
+    normed = xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.to(dt)
+    return (normed * zf * torch.sigmoid(zf)).to(x.dtype)
+
+
+def rms_norm(x, weight, *, eps=1e-6):
+    """RMSNorm over the last dim of ``x [..., D]`` with ``weight [D]``; output in x's dtype."""
+    _check(x, None, weight, eps)
+    if kernel_backend(x) == "torch":
+        return _torch_norm(x, None, weight, eps)
+    return _RMSNormFunction.apply(x, None, weight, float(eps))
+
+
+def gated_rms_norm(x, z, weight, *, eps=1e-6):
+    """``rms_norm(x) * weight * silu(z)`` over the last dim; z has x's shape; output in x's dtype."""
+    _check(x, z, weight, eps)
+    if kernel_backend(x) == "torch":
+        return _torch_norm(x, z, weight, eps)
+    return _RMSNormFunction.apply(x, z, weight, float(eps))
