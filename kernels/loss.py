@@ -1,0 +1,229 @@
+"""Fused linear + cross-entropy, chunked over tokens (the [tokens, vocab] logits never exist whole).
+
+For hidden ``h [N, D]``, weight ``W [V, D]``, optional bias ``b [V]`` and labels ``y [N]``::
+
+    z_i   = W h_i + b                       (logits of token i)
+    loss  = sum_{i: y_i != ignore} (logsumexp(z_i) - z_i[y_i])   / n_valid  (reduction "mean")
+    dz_i  = (softmax(z_i) - onehot(y_i)) * s,  s = 1 / n_valid or 1;  dz_i = 0 for ignored rows
+    dh_i  = dz_i W,   dW = sum_i dz_i h_i^T,   db = sum_i dz_i
+
+The forward walks the tokens in chunks of ``chunk_size``: one matmul gives the chunk's logits
+(in the compute dtype, fp32 accumulation in cuBLAS), one Triton kernel turns them into the loss
+and, in place, into ``dz`` (fp32 arithmetic: two passes over the vocabulary, an online
+max / sum-exp then the scaled softmax minus one-hot), and two more matmuls give the chunk's
+``dh`` and its share of ``dW`` (accumulated in fp32). The backward only scales the stored grads
+by the incoming grad_output (the approach of Liger-Kernel's fused linear cross-entropy,
+arXiv:2410.10989). Peak extra memory: one ``[chunk_size, V]`` logits buffer, ``dh`` and an
+fp32 ``dW``. Under autocast, hidden/weight/bias are cast to the autocast dtype first (as F.linear
+would), so the grads flow back to fp32 master weights through that cast. When nothing requires
+grad only the loss is computed.
+
+With ``reduction="mean"`` and every label ignored the loss is 0 with zero grads (not NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttr.kernels.utils import check_dtype, kernel_backend
+
+REDUCTIONS = ("mean", "sum")
+
+
+@triton.jit
+def _ce_fwd_bwd_kernel(
+    logits, labels, loss, V, stride_l, scale, ignore_index, COMPUTE_GRAD: tl.constexpr, BV: tl.constexpr
+):
+    """One row: loss = lse - z[y]; in place z <- (softmax(z) - onehot(y)) * scale (0 if ignored)."""
+    i_r = tl.program_id(0).to(tl.int64)
+    p_row = logits + i_r * stride_l
+    b_y = tl.load(labels + i_r).to(tl.int64)
+    is_ignored = b_y == ignore_index
+    o_v = tl.arange(0, BV)
+    b_m = tl.full([BV], float("-inf"), dtype=tl.float32)
+    b_s = tl.zeros([BV], dtype=tl.float32)
+    # pass 1: per-lane running max and rescaled sum of exponentials
+    for i_v in range(0, V, BV):
+        m_v = i_v + o_v < V
+        b_z = tl.load(p_row + i_v + o_v, mask=m_v, other=float("-inf")).to(tl.float32)  # [BV]
+        b_m_new = tl.maximum(b_m, b_z)
+        b_s = b_s * tl.exp(b_m - tl.where(b_m_new == float("-inf"), 0.0, b_m_new)) + tl.where(
+            m_v, tl.exp(b_z - tl.where(b_m_new == float("-inf"), 0.0, b_m_new)), 0.0
+        )
+        b_m = b_m_new
+    m_row = tl.max(b_m, axis=0)
+    s_row = tl.sum(b_s * tl.exp(b_m - m_row), axis=0)
+    lse = m_row + tl.log(s_row)
+    b_zy = tl.load(p_row + tl.where(is_ignored, 0, b_y)).to(tl.float32)
+    tl.store(loss + i_r, tl.where(is_ignored, 0.0, lse - b_zy))
+    if COMPUTE_GRAD:
+        s = tl.where(is_ignored, 0.0, scale)
+        # pass 2: dz = (softmax - onehot) * s, written over the logits
+        for i_v in range(0, V, BV):
+            m_v = i_v + o_v < V
+            b_z = tl.load(p_row + i_v + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_p = tl.exp(b_z - lse) - tl.where(i_v + o_v == b_y, 1.0, 0.0)
+            tl.store(p_row + i_v + o_v, (b_p * s).to(logits.dtype.element_ty), mask=m_v)
+
+
+def _triton_ce_chunk(logits, labels, scale, ignore_index, compute_grad):
+    """Per-row loss (fp32) of a [C, V] logits chunk; with compute_grad the chunk becomes dz."""
+    c, v = logits.shape
+    loss = torch.empty(c, dtype=torch.float32, device=logits.device)
+    if c:
+        bv = min(triton.next_power_of_2(v), 4096)
+        _ce_fwd_bwd_kernel[(c,)](
+            logits, labels, loss, v, logits.stride(0), scale, ignore_index,
+            COMPUTE_GRAD=compute_grad, BV=bv, num_warps=8 if bv >= 2048 else 4,
+        )  # fmt: skip
+    return loss
+
+
+def _torch_ce_chunk(logits, labels, scale, ignore_index, compute_grad):
+    """Same contract as _triton_ce_chunk with torch ops (fp32 arithmetic, fp64 for fp64)."""
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    z = logits.to(dt)
+    ignored = labels == ignore_index
+    safe = torch.where(ignored, torch.zeros_like(labels), labels)
+    lse = torch.logsumexp(z, dim=-1)
+    loss = torch.where(ignored, 0.0, lse - z.gather(1, safe[:, None])[:, 0])
+    if compute_grad:
+        p = torch.exp(z - lse[:, None])
+        p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
+        p.mul_(torch.where(ignored, 0.0, scale).to(dt)[:, None])
+        logits.copy_(p)
+    return loss
+
+
+def _default_chunk_size(n: int, d: int, v: int) -> int:
+    """Tokens per chunk so that a logits chunk is about twice the size of hidden (power of 2)."""
+    target = max(1, (2 * n * d) // max(v, 1))
+    return max(256, min(triton.next_power_of_2(target), 8192))
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_size, backend):
+        n, d = hidden.shape
+        v = weight.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_grad = need_h or need_w or need_b
+        n_valid = int((labels != ignore_index).sum())
+        scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        ce_chunk = _triton_ce_chunk if backend == "triton" else _torch_ce_chunk
+        acc_dt = torch.promote_types(hidden.dtype, torch.float32)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(v, d, dtype=acc_dt, device=hidden.device) if need_w else None
+        db = torch.zeros(v, dtype=acc_dt, device=hidden.device) if need_b else None
+        total = torch.zeros((), dtype=acc_dt, device=hidden.device)
+        for i0 in range(0, n, chunk_size):
+            h_c = hidden[i0 : i0 + chunk_size]
+            if bias is not None:
+                z_c = torch.addmm(bias, h_c, weight.t())  # [C, V]
+            else:
+                z_c = torch.mm(h_c, weight.t())
+            loss_c = ce_chunk(z_c, labels[i0 : i0 + chunk_size], scale, ignore_index, need_grad)
+            total += loss_c.sum()
+            if not need_grad:
+                continue
+            if need_h:
+                torch.mm(z_c, weight, out=dh[i0 : i0 + chunk_size])
+            if need_w:
+                dw += torch.mm(z_c.t(), h_c)
+            if need_b:
+                db += z_c.sum(0, dtype=db.dtype)
+            del z_c
+        loss = total * scale
+        ctx.save_for_backward(
+            dh, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None
+        )
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw, db = ctx.saved_tensors
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (dh, dw, db)]
+        return (*scaled, None, None, None, None, None)
+
+
+def _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size) -> None:
+    check_dtype("hidden", hidden)
+    check_dtype("weight", weight)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must have shape [N, D] (2 dims), got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must have shape [V, D] with D={hidden.shape[1]}, got {tuple(weight.shape)}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError("labels must be an int32/int64 torch.Tensor")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must have shape [N] = [{hidden.shape[0]}], got {tuple(labels.shape)}")
+    if bias is not None:
+        check_dtype("bias", bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    for name, other in (("weight", weight), ("labels", labels), ("bias", bias)):
+        if other is not None and other.device != hidden.device:
+            raise ValueError(f"{name} is on {other.device} but hidden is on {hidden.device}")
+    v = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
+    if bool(bad.any()):
+        raise ValueError(f"labels must lie in [0, V={v}) or equal ignore_index={ignore_index}")
+
+
+def reference_linear_cross_entropy(
+    hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean", chunk_size=None
+):
+    """Oracle: full logits in fp32 (fp64 for fp64 inputs) and a per-row logsumexp.
+
+    ``chunk_size`` is accepted for signature parity and has no effect here.
+    """
+    _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size)
+    dt = torch.promote_types(hidden.dtype, torch.float32)
+    logits = hidden.to(dt) @ weight.to(dt).t()
+    if bias is not None:
+        logits = logits + bias.to(dt)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    per_token = torch.logsumexp(logits, -1) - logits.gather(1, safe[:, None])[:, 0]
+    total = (per_token * valid).sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp_min(1)
+
+
+def linear_cross_entropy(
+    hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean", chunk_size=None
+):
+    """Cross-entropy of ``hidden [N, D] @ weight[V, D]^T (+ bias [V])`` against ``labels [N]``.
+
+    Returns a scalar (fp32; fp64 for fp64 inputs). ``reduction`` "mean" averages over the
+    non-ignored tokens, "sum" adds them. ``chunk_size`` tokens per chunk (default: a logits
+    chunk about twice the size of ``hidden``, a power of 2 in [256, 8192]). Dispatches the
+    per-chunk softmax / loss / grad part on ``kernel_backend(hidden)``; matmuls use torch.
+    """
+    _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dt = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    elif hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(
+            f"hidden, weight and bias must share a dtype outside autocast, got {hidden.dtype}, {weight.dtype}"
+            + (f", {bias.dtype}" if bias is not None else "")
+        )
+    n, d = hidden.shape
+    chunk = chunk_size or _default_chunk_size(n, d, weight.shape[0])
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropyFunction.apply(
+            hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(), ignore_index, reduction,
+            chunk, kernel_backend(hidden),
+        )  # fmt: skip
