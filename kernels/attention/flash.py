@@ -1,0 +1,373 @@
+"""Flash-style causal / sliding-window attention in Triton, forward and backward.
+
+Math (per head, one sequence of length L, scale c, window W; W = L when there is none):
+``S = c Q K^T`` restricted to the band ``0 <= t - s < W``, ``P = softmax(S)`` row-wise,
+``O = P V``. The forward streams key blocks through an online softmax (Milakov & Gimelshein 2018;
+Dao et al., FlashAttention 1/2) and saves only the row log-sum-exp ``lse``, in base 2 of the
+pre-scaled scores ``c log2(e) q.k``, so the backward recomputes ``P = exp2(S' - lse)`` per tile:
+``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)``,
+``dQ = c dS K``, ``dK = c dS^T Q``. Nothing of size T x T is ever stored.
+
+Tiling: one program per (query block, q head, sequence) in the forward and in the dQ kernel, one
+per (key block, k/v head, sequence) in the dK/dV kernel, which loops over the ``Hq / Hkv`` query
+heads of its group so grouped-query attention needs no atomics. Only the blocks that intersect
+the band are visited, so cost is O(T W) for a window. The visited range splits into blocks cut by
+the band's edges (masked) and blocks wholly inside it (no mask work); see ``_block_ranges``.
+Packed sequences: every tensor is viewed as ``[T_total, H, D]`` and each program reads its
+sequence bounds from ``cu_seqlens`` (plain batches use ``cu_seqlens = [0, T, 2T, ...]``).
+Head dims up to 256: the block dim ``BD`` is the next power of two and the rest is masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
+
+LOG2E = math.log2(math.e)
+
+# Autotune spaces stay small (device minutes cost); keyed on the head dim only. Head dim 256
+# keeps tiles at 64 x 64 (fwd) / 32 x 64 (bwd) so q, k, v tiles and fp32 accumulators fit the
+# 228 KB of shared memory and the register file of an H100/H200 SM.
+FWD_CONFIGS = [
+    triton.Config({"BM": 128, "BN": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2),
+]
+DKDV_CONFIGS = [
+    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 32, "BN": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BM": 32, "BN": 64}, num_warps=8, num_stages=2),
+]
+DQ_CONFIGS = [
+    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 128, "BN": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
+]
+# Under the interpreter (no driver, so no autotune) one small config is launched; BM != BN so
+# the tests exercise block ranges whose edges do not line up.
+INTERPRET_META = {"fwd": {"BM": 32, "BN": 16}, "dkdv": {"BM": 16, "BN": 32}, "dq": {"BM": 32, "BN": 16}}
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles that cannot fit on chip for head dims above 128."""
+    bd = {**named_args, **kwargs}["BD"]
+    if bd <= 128:
+        return configs
+    small = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] <= 64 * 64 and c.num_stages <= 2]
+    return small or configs[-1:]
+
+
+def _autotune(configs):
+    """``triton.autotune`` keyed on the head dim; under the interpreter the bare kernel."""
+
+    def wrap(fn):
+        if interpreter_active():
+            return fn
+        return triton.autotune(configs=configs, key=["BD"], prune_configs_by={"early_config_prune": _prune_configs})(fn)
+
+    return wrap
+
+
+@triton.jit
+def _block_ranges(first, last, cs, ce, B: tl.constexpr):
+    """Block indices over ``[first, last)`` split as [masked | whole | masked].
+
+    A block ``j`` (elements ``[jB, jB + B)``) needs no mask when ``jB >= cs`` and ``jB + B <= ce``;
+    those blocks form one contiguous run ``[j_f0, j_f1)`` inside ``[j0, j1)``.
+    """
+    j0 = first // B
+    j1 = tl.cdiv(last, B)
+    j_f0 = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(cs, 0), B), j0), j1)
+    j_f1 = tl.maximum(tl.minimum(tl.maximum(ce, 0) // B, j1), j_f0)
+    return j0, j_f0, j_f1, j1
+
+
+@triton.jit
+def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
+               D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    for j in tl.range(j_lo, j_hi):
+        o_n = j * BN + tl.arange(0, BN)
+        m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
+        p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+        b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BM, BN]
+        if MASK:
+            m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_m_new[:, None])  # [BM, BN]
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_m_new
+    return b_acc, b_l, b_m
+
+
+@_autotune(FWD_CONFIGS)
+@triton.jit
+def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
+                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first (causal load balance)
+    i_nh = tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_hk = i_hq // G
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    m0 = i_m * BM
+    if m0 >= L:
+        return
+    stride_qt = HQ * D
+    stride_kt = HQ // G * D
+    o_m = m0 + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_q = (o_m[:, None] < L) & (o_d[None, :] < D)
+    p_q = q + bos.to(tl.int64) * stride_qt + i_hq * D
+    p_k = k + bos.to(tl.int64) * stride_kt + i_hk * D
+    p_v = v + bos.to(tl.int64) * stride_kt + i_hk * D
+    b_q = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :], mask=m_q, other=0.0)  # [BM, BD]
+
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    # finite start: a row whose first visited block is all masked must not produce inf - inf
+    b_m = tl.full([BM], -1.0e30, dtype=tl.float32)
+    # keys s in [m0 - W + 1, m0 + BM); a block is whole when every (t, s) pair is in the band:
+    # s + BN - 1 <= m0 (first row) and s >= m0 + BM - W (last row)
+    j0, j_f0, j_f1, j1 = _block_ranges(tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, L), m0 + BM - W, m0 + 1, BN)
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j0, j_f0, L, W, stride_kt,
+                                 qk_scale, D, BN, True)
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_f0, j_f1, L, W, stride_kt,
+                                 qk_scale, D, BN, False)
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_f1, j1, L, W, stride_kt,
+                                 qk_scale, D, BN, True)
+
+    b_l = tl.where(b_l == 0.0, 1.0, b_l)  # rows past the sequence end only
+    b_o = b_acc / b_l[:, None]
+    p_o = o + bos.to(tl.int64) * stride_qt + i_hq * D
+    tl.store(p_o + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_q)
+    tl.store(lse + i_hq.to(tl.int64) * T_total + bos + o_m, b_m + tl.log2(b_l), mask=o_m < L)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(o, do, delta, T_total, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                          BT: tl.constexpr):
+    i_t, i_hq = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t = o_t < T_total
+    p_off = o_t[:, None].to(tl.int64) * (HQ * D) + i_hq * D + o_d[None, :]
+    m_o = m_t[:, None] & (o_d[None, :] < D)
+    b_o = tl.load(o + p_off, mask=m_o, other=0.0).to(tl.float32)  # [BT, BD]
+    b_do = tl.load(do + p_off, mask=m_o, other=0.0).to(tl.float32)  # [BT, BD]
+    tl.store(delta + i_hq.to(tl.int64) * T_total + o_t, tl.sum(b_o * b_do, 1), mask=m_t)
+
+
+@triton.jit
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo, j_hi, L, W, stride_qt,
+                qk_scale, D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr):
+    for j in tl.range(j_lo, j_hi):
+        o_m = j * BM + tl.arange(0, BM)
+        m_t = o_m < L
+        m_q = m_t[:, None] & (o_d[None, :] < D)
+        p_off = o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :]
+        b_q = tl.load(p_q + p_off, mask=m_q, other=0.0)  # [BM, BD]
+        b_do = tl.load(p_do + p_off, mask=m_q, other=0.0)  # [BM, BD]
+        b_lse = tl.load(p_lse + o_m, mask=m_t, other=0.0)  # [BM]
+        b_delta = tl.load(p_delta + o_m, mask=m_t, other=0.0)  # [BM]
+        b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+        if MASK:
+            m_s = (o_n[:, None] <= o_m[None, :]) & (o_n[:, None] > o_m[None, :] - W) & m_t[None, :]
+            b_pt = tl.where(m_s, b_pt, 0.0)
+        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
+        b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
+    return b_dk, b_dv
+
+
+@_autotune(DKDV_CONFIGS)
+@triton.jit
+def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W, qk_scale, scale,
+                         HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr):
+    i_j = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    HK: tl.constexpr = HQ // G
+    i_n, i_hk = i_nh // HK, i_nh % HK
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    n0 = i_j * BN
+    if n0 >= L:
+        return
+    stride_qt = HQ * D
+    stride_kt = HK * D
+    o_n = n0 + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    m_k = (o_n[:, None] < L) & (o_d[None, :] < D)
+    p_off = bos.to(tl.int64) * stride_kt + i_hk * D + o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+    b_k = tl.load(k + p_off, mask=m_k, other=0.0)  # [BN, BD]
+    b_v = tl.load(v + p_off, mask=m_k, other=0.0)  # [BN, BD]
+    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+    # queries t in [n0, n0 + BN - 1 + W); a block is whole when t >= n0 + BN - 1 for its first row
+    # and t <= n0 + W - 1, t < L for its last row
+    j0, j_f0, j_f1, j1 = _block_ranges(n0, tl.minimum(n0 + BN - 1 + W, L), n0 + BN - 1,
+                                       tl.minimum(n0 + W, L), BM)
+    for i_g in range(G):
+        i_hq = i_hk * G + i_g
+        p_q = q + bos.to(tl.int64) * stride_qt + i_hq * D
+        p_do = do + bos.to(tl.int64) * stride_qt + i_hq * D
+        p_lse = lse + i_hq.to(tl.int64) * T_total + bos
+        p_delta = delta + i_hq.to(tl.int64) * T_total + bos
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j0, j_f0, L, W,
+                                 stride_qt, qk_scale, D, BM, True)
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_f0, j_f1, L, W,
+                                 stride_qt, qk_scale, D, BM, False)
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_f1, j1, L, W,
+                                 stride_qt, qk_scale, D, BM, True)
+    tl.store(dk + p_off, (b_dk * scale).to(dk.dtype.element_ty), mask=m_k)
+    tl.store(dv + p_off, b_dv.to(dv.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
+              D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    for j in tl.range(j_lo, j_hi):
+        o_n = j * BN + tl.arange(0, BN)
+        m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
+        p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+        b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
+        if MASK:
+            m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
+            b_p = tl.where(m_s, b_p, 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    return b_dq
+
+
+@_autotune(DQ_CONFIGS)
+@triton.jit
+def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_scale, scale,
+                       HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_hk = i_hq // G
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    m0 = i_m * BM
+    if m0 >= L:
+        return
+    stride_qt = HQ * D
+    stride_kt = HQ // G * D
+    o_m = m0 + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_t = o_m < L
+    m_q = m_t[:, None] & (o_d[None, :] < D)
+    p_off = bos.to(tl.int64) * stride_qt + i_hq * D + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :]
+    b_q = tl.load(q + p_off, mask=m_q, other=0.0)  # [BM, BD]
+    b_do = tl.load(do + p_off, mask=m_q, other=0.0)  # [BM, BD]
+    b_lse = tl.load(lse + i_hq.to(tl.int64) * T_total + bos + o_m, mask=m_t, other=0.0)  # [BM]
+    b_delta = tl.load(delta + i_hq.to(tl.int64) * T_total + bos + o_m, mask=m_t, other=0.0)  # [BM]
+    p_k = k + bos.to(tl.int64) * stride_kt + i_hk * D
+    p_v = v + bos.to(tl.int64) * stride_kt + i_hk * D
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    j0, j_f0, j_f1, j1 = _block_ranges(tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, L), m0 + BM - W, m0 + 1, BN)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j0, j_f0, L, W, stride_kt, qk_scale,
+                     D, BN, True)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_f0, j_f1, L, W, stride_kt, qk_scale,
+                     D, BN, False)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_f1, j1, L, W, stride_kt, qk_scale,
+                     D, BN, True)
+    tl.store(dq + p_off, (b_dq * scale).to(dq.dtype.element_ty), mask=m_q)
+
+
+def _launch(kernel, name, grid, *args, **consts):
+    """Launch an autotuned kernel; under the interpreter with the fixed small config."""
+    if interpreter_active():
+        meta = INTERPRET_META[name]
+        kernel[grid(meta)](*args, **consts, **meta)
+    else:
+        kernel[grid](*args, **consts)
+
+
+def attention_fwd(q, k, v, cu_seqlens, max_len, window, scale):
+    """q ``[T_total, Hq, D]``, k/v ``[T_total, Hkv, D]`` contiguous -> (o, lse ``[Hq, T_total]`` fp32)."""
+    t_total, hq, d = q.shape
+    n = cu_seqlens.numel() - 1
+    o = torch.empty_like(q)
+    lse = torch.empty(hq, t_total, device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(max_len, meta["BM"]), n * hq)
+    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, window, scale * LOG2E,
+            HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d))
+    return o, lse
+
+
+def attention_bwd(q, k, v, o, lse, do, cu_seqlens, max_len, window, scale):
+    t_total, hq, d = q.shape
+    hkv = k.shape[1]
+    n = cu_seqlens.numel() - 1
+    bd = triton.next_power_of_2(d)
+    delta = torch.empty_like(lse)
+    bt = max(16, 4096 // bd)
+    attn_bwd_delta_kernel[(triton.cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    consts = {"HQ": hq, "G": hq // hkv, "D": d, "BD": bd}
+    grid_kv = lambda meta: (triton.cdiv(max_len, meta["BN"]), n * hkv)
+    _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu_seqlens, t_total,
+            window, scale * LOG2E, scale, **consts)
+    grid_q = lambda meta: (triton.cdiv(max_len, meta["BM"]), n * hq)
+    _launch(attn_bwd_dq_kernel, "dq", grid_q, q, k, v, do, lse, delta, dq, cu_seqlens, t_total,
+            window, scale * LOG2E, scale, **consts)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_len, window, scale):
+        o, lse = attention_fwd(q, k, v, cu_seqlens, max_len, window, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.max_len, ctx.window, ctx.scale = max_len, window, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.max_len, ctx.window,
+                                   ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_attention(q, k, v, *, window, scale, cu_seqlens):
+    """Triton path for validated inputs (see ``ttr.kernels.attention.attention``)."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype {q.dtype} is not supported by the Triton backend; expected one of "
+                        f"{SUPPORTED_DTYPES} (use TTR_KERNEL_BACKEND=torch for float64)")
+    b, t, hq, d = q.shape
+    if b == 0 or t == 0:
+        return torch.zeros_like(q)
+    if cu_seqlens is None:
+        cu = torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32)
+        max_len = t
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        max_len = int((cu[1:] - cu[:-1]).max())
+    if max_len == 0:
+        return torch.zeros_like(q)
+    win = max_len if window is None else min(window, max_len)
+    flat = lambda x: x.reshape(b * t, x.shape[2], d).contiguous()
+    o = FlashAttentionFunction.apply(flat(q), flat(k), flat(v), cu, max_len, win, scale)
+    return o.view(b, t, hq, d)
