@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ttr.kernels.utils import check_cu_seqlens, check_dtype, check_rank
+from ttr.kernels.utils import check_cu_seqlens, check_dtype, check_rank, interpreter_active, kernel_backend
 
 ACTIVATIONS = (None, "silu")
 
@@ -59,6 +61,311 @@ def _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int
         if other is not None and other.device != x.device:
             raise ValueError(f"{name} is on {other.device} but x is on {x.device}")
     return n
+
+
+@triton.jit
+def _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Input seen by tap offset s at tokens o_t: x[t - s] inside the sequence, else the state. # [BT, BD]"""
+    m_x = m_t & (pos >= s)
+    o_x = (o_t - s).to(tl.int64) * D
+    b_x = tl.load(x + o_x[:, None] + o_d[None, :], mask=m_x[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    if HAS_INIT:
+        m_h = m_t & (pos < s)
+        o_h = i_n.to(tl.int64) * D * (W - 1) + (W - 1 - s + pos)
+        p_h = init + o_h[:, None] + o_d[None, :] * (W - 1)
+        b_x += tl.load(p_h, mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _preact(
+    x,
+    w,
+    bias,
+    init,
+    i_n,
+    o_t,
+    pos,
+    o_d,
+    m_t,
+    m_d,
+    D,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """bias + sum_s w[:, W-1-s] * src(t - s) at tokens o_t. # [BT, BD]"""
+    b_a = tl.zeros([BT, BD], dtype=tl.float32)
+    for s in tl.static_range(W):
+        b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)  # [BD]
+        b_a += _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT) * b_w[None, :]
+    if HAS_BIAS:
+        b_a += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    return b_a
+
+
+@triton.jit
+def _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN: tl.constexpr):
+    """Sequence id, start and end of every token in o_t. # [BT] each"""
+    if IS_VARLEN:
+        i_n = tl.load(seq_idx + o_t, mask=m_t, other=0)
+        bos = tl.load(cu + i_n, mask=m_t, other=0).to(tl.int32)
+        eos = tl.load(cu + i_n + 1, mask=m_t, other=0).to(tl.int32)
+    else:
+        i_n = tl.zeros_like(o_t) + i_b
+        bos = tl.zeros_like(o_t)
+        eos = tl.zeros_like(o_t) + T
+    return i_n, bos, eos
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x,
+    w,
+    bias,
+    init,
+    y,
+    seq_idx,
+    cu,
+    T,
+    D,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < D
+    i_n, bos, _ = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
+    x += i_b.to(tl.int64) * T * D
+    y += i_b.to(tl.int64) * T * D
+    b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
+    if SILU:
+        b_a = b_a * tl.sigmoid(b_a)
+    p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+    tl.store(p_y, b_a.to(y.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    x,
+    w,
+    bias,
+    init,
+    dy,
+    dfinal,
+    dx,
+    dw,
+    db,
+    dinit,
+    seq_idx,
+    cu,
+    T,
+    D,
+    NT,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < D
+    i_n, bos, eos = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
+    pos = o_t - bos
+    x += i_b.to(tl.int64) * T * D
+    dy += i_b.to(tl.int64) * T * D
+    dx += i_b.to(tl.int64) * T * D
+    # da(t) at this block's own tokens, for dw, db and the initial-state grad
+    m_td = m_t[:, None] & m_d[None, :]
+    b_da = tl.load(dy + o_t.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
+    if SILU:
+        b_a = _preact(x, w, bias, init, i_n, o_t, pos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
+        b_sig = tl.sigmoid(b_a)
+        b_da = b_da * b_sig * (1.0 + b_a * (1.0 - b_sig))
+    # partial sums of this block, reduced over blocks by the launcher: dw [B * NT, W, D], db [B * NT, D]
+    i_p = (i_b * NT + i_t).to(tl.int64)
+    for s in tl.static_range(W):
+        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT)
+        tl.store(dw + (i_p * W + (W - 1 - s)) * D + o_d, tl.sum(b_da * b_src, axis=0), mask=m_d)
+    if HAS_BIAS:
+        tl.store(db + i_p * D + o_d, tl.sum(b_da, axis=0), mask=m_d)
+    if HAS_INIT:
+        # tokens with pos < s read state slot W-1-s+pos (at most W-1 tokens per sequence)
+        for s in tl.static_range(1, W):
+            b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)
+            m_h = m_t & (pos < s)
+            o_h = i_n.to(tl.int64) * D * (W - 1) + (W - 1 - s + pos)
+            p_h = dinit + o_h[:, None] + o_d[None, :] * (W - 1)
+            tl.atomic_add(p_h, b_da * b_w[None, :], mask=m_h[:, None] & m_d[None, :])
+    # dx(t) = sum_s w[W-1-s] * da(t + s) over t + s inside t's sequence
+    b_dx = tl.zeros([BT, BD], dtype=tl.float32)
+    for s in tl.static_range(W):
+        b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)
+        if s == 0:
+            b_das = b_da
+        else:
+            o_s = o_t + s
+            m_s = m_t & (o_s < eos)
+            p_dy = dy + o_s.to(tl.int64)[:, None] * D + o_d[None, :]
+            b_das = tl.load(p_dy, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            if SILU:
+                b_a = _preact(
+                    x, w, bias, init, i_n, o_s, pos + s, o_d, m_s, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD
+                )
+                b_sig = tl.sigmoid(b_a)
+                b_das = b_das * b_sig * (1.0 + b_a * (1.0 - b_sig))
+        b_dx += b_das * b_w[None, :]
+    if HAS_DFINAL:
+        # the last W-1 tokens of a sequence are also its final state, slot j = t - (eos - (W-1))
+        j = o_t - (eos - (W - 1))
+        m_f = m_t & (j >= 0)
+        p_f = dfinal + (i_n.to(tl.int64) * D * (W - 1) + j)[:, None] + o_d[None, :] * (W - 1)
+        b_dx += tl.load(p_f, mask=m_f[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    tl.store(dx + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m_td)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x,
+    state,
+    w,
+    bias,
+    y,
+    new_state,
+    D,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_b, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(x + i_b * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_a = b_x * tl.load(w + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+    p_s = state + i_b * D * (W - 1) + o_d * (W - 1)
+    p_n = new_state + i_b * D * (W - 1) + o_d * (W - 1)
+    for j in tl.static_range(W - 1):
+        b_h = tl.load(p_s + j, mask=m_d, other=0.0)
+        b_a += b_h.to(tl.float32) * tl.load(w + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(p_n + (j - 1), b_h.to(new_state.dtype.element_ty), mask=m_d)
+    tl.store(p_n + (W - 2), b_x.to(new_state.dtype.element_ty), mask=m_d)
+    if HAS_BIAS:
+        b_a += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if SILU:
+        b_a = b_a * tl.sigmoid(b_a)
+    tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
+
+
+def _blocks(t: int, d: int) -> tuple[int, int]:
+    if interpreter_active():
+        return min(64, triton.next_power_of_2(max(t, 1))), min(64, triton.next_power_of_2(d))
+    return 64, min(128, triton.next_power_of_2(d))
+
+
+def _varlen_meta(cu_seqlens, t: int, device):
+    """Per-token sequence id (int32 [T]) and cu_seqlens as int32, or (None, None) when not packed."""
+    if cu_seqlens is None:
+        return None, None
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    tok = torch.arange(t, device=device, dtype=torch.int32)
+    return torch.searchsorted(cu[1:], tok, right=True).to(torch.int32), cu
+
+
+def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
+    b, t, d = x.shape
+    w = weight.shape[1]
+    seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
+    y = torch.empty_like(x)
+    bt, bd = _blocks(t, d)
+    grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
+    if t:
+        _conv_fwd_kernel[grid](
+            x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
+            SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
+def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
+    b, t, d = x.shape
+    w = weight.shape[1]
+    seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
+    bt, bd = _blocks(t, d)
+    nt = triton.cdiv(t, bt)
+    dx = torch.empty_like(x)
+    dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)
+    db = torch.zeros(b * nt, d, dtype=torch.float32, device=x.device) if bias is not None else None
+    dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
+    if t:
+        _conv_bwd_kernel[(nt, triton.cdiv(d, bd), b)](
+            x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
+            dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
+            dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
+            cu if cu is not None else x, t, d, nt,
+            W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
+            IS_VARLEN=cu is not None, SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
+        )  # fmt: skip
+    if dinit is not None and dfinal is not None:
+        dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, b, t, w)
+    dw = dw.sum(0).t().to(weight.dtype)
+    db = db.sum(0).to(bias.dtype) if db is not None else None
+    return dx, dw, db, dinit.to(init.dtype) if dinit is not None else None
+
+
+def _dfinal_to_init(dfinal, cu_seqlens, b: int, t: int, w: int):
+    """Grad of the final state w.r.t. the initial state: slot k of a sequence of length L < W-1
+    survives into final slot k - L."""
+    n = dfinal.shape[0]
+    if cu_seqlens is None:
+        lens = torch.full((n,), t, device=dfinal.device, dtype=torch.long)
+    else:
+        cu = cu_seqlens.to(device=dfinal.device, dtype=torch.long)
+        lens = cu[1:] - cu[:-1]
+    k = torch.arange(w - 1, device=dfinal.device)
+    src = k[None] - lens[:, None]  # [N, W-1]
+    got = dfinal.gather(2, src.clamp_min(0)[:, None, :].expand(-1, dfinal.shape[1], -1))
+    return torch.where((src >= 0)[:, None, :], got, 0.0)
+
+
+class _CausalConv1dFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, activation):
+        x, weight = x.contiguous(), weight.contiguous()
+        init = initial_state.contiguous() if initial_state is not None else None
+        y = _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens)
+        final = _final_state(x, init, cu_seqlens, weight.shape[1])
+        ctx.save_for_backward(x, weight, bias, init, cu_seqlens)
+        ctx.activation = activation
+        ctx.set_materialize_grads(False)
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, weight, bias, init, cu_seqlens = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dfinal = dfinal.contiguous() if dfinal is not None else None
+        dx, dw, db, dinit = _triton_conv_bwd(
+            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, cu_seqlens
+        )
+        return dx, dw, db, dinit, None, None
 
 
 def _seq_bounds(cu_seqlens, b: int, t: int) -> list[tuple[int, int, int]]:
@@ -148,8 +455,7 @@ def _torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state,
 def _final_state(x, initial_state, cu_seqlens, w: int) -> torch.Tensor:
     """Last W-1 entries of concat(initial_state, x_seq) per sequence, in x's dtype."""
     b, t, d = x.shape
-    bounds = _seq_bounds(cu_seqlens, b, t)
-    n = len(bounds)
+    n = b if cu_seqlens is None else cu_seqlens.numel() - 1
     if cu_seqlens is None:
         ends = torch.full((n,), t, device=x.device, dtype=torch.long)
         lens = ends.clone()
@@ -179,7 +485,12 @@ def causal_conv1d(
     Dispatches on ``kernel_backend(x)``.
     """
     _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
-    return _torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+    if kernel_backend(x) == "torch":
+        return _torch_causal_conv1d(
+            x, weight, bias, activation, cu_seqlens, initial_state, output_final_state
+        )
+    y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, cu_seqlens, activation)
+    return y, final if output_final_state else None
 
 
 def _check_update(x, conv_state, weight, bias, activation) -> None:
@@ -217,7 +528,23 @@ def _torch_causal_conv1d_update(x, conv_state, weight, bias, activation):
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None):
     """One decoding step: ``x [B, D]``, ``conv_state [B, D, W-1]`` -> ``(y [B, D], new_conv_state)``.
 
-    The new state has conv_state's dtype; the input state is not modified.
+    The new state has conv_state's dtype; the input state is not modified. The Triton kernel is
+    forward-only (decoding); when a gradient is needed the torch implementation runs instead
+    (same fp32 arithmetic).
     """
     _check_update(x, conv_state, weight, bias, activation)
-    return _torch_causal_conv1d_update(x, conv_state, weight, bias, activation)
+    needs_grad = torch.is_grad_enabled() and any(
+        a is not None and a.requires_grad for a in (x, conv_state, weight, bias)
+    )
+    if kernel_backend(x) == "torch" or needs_grad:
+        return _torch_causal_conv1d_update(x, conv_state, weight, bias, activation)
+    b, d = x.shape
+    x, conv_state, weight = x.contiguous(), conv_state.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    new_state = torch.empty_like(conv_state)
+    bd = min(256, triton.next_power_of_2(d))
+    _conv_update_kernel[(b, triton.cdiv(d, bd))](
+        x, conv_state, weight, bias if bias is not None else weight, y, new_state, d,
+        W=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", BD=bd,
+    )  # fmt: skip
+    return y, new_state
