@@ -1,0 +1,23 @@
+"""Token mixers, one file each. A new mixer is one file plus one line in ``LAYER_TYPES``.
+
+Every mixer is ``cls(config, layer_idx)`` with ``forward(x, *, mask, full_mask, cu_seqlens,
+position_ids, cache) -> [B, T, hidden]``, and ``init_mixer_weights(init)`` where it has
+parameters beyond Linear layers and short convs (which the model initialises); it reads and writes its own entry ``cache[layer_idx]`` of a ``TTRCache``.
+"""
+
+from .attention import Attention, SlidingWindowAttention
+from .delta_net import DeltaNet
+from .gated_deltanet import GatedDeltaNet
+from .gla import GatedLinearAttention
+from .mamba2 import Mamba2
+
+LAYER_TYPES = {
+    "gla": GatedLinearAttention,
+    "mamba2": Mamba2,
+    "delta_net": DeltaNet,
+    "gated_deltanet": GatedDeltaNet,
+    "swa": SlidingWindowAttention,
+    "attn": Attention,
+}
+
+__all__ = ["LAYER_TYPES"]

@@ -1,0 +1,108 @@
+"""Softmax attention mixers: sliding-window (``swa``) and full causal (``attn``).
+
+Multi-head attention (Vaswani et al. 2017, arXiv:1706.03762) with grouped key/value heads
+(GQA, Ainslie et al. 2023, arXiv:2305.13245) and rotary positions (Su et al. 2021,
+arXiv:2104.09864), as in Transformer++ baselines (Touvron et al. 2023, arXiv:2302.13971). The
+sliding window (query t sees keys t-W+1 .. t) is the SWA of the Gated DeltaNet hybrids
+(Yang et al. 2024, arXiv:2412.06464, Sec. 3.4).
+
+Prefill and training run ``ttr.kernels.attention`` (padded rows are packed into ``cu_seqlens``
+so padding is never attended); once a cache holds keys, the few new queries attend to the cached
+keys in torch. The SWA cache keeps only the last W-1 keys (memory bounded by the window).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..modules import apply_rotary
+
+
+def attend_with_cache(q, k, v, key_valid, window: int | None, scale: float) -> torch.Tensor:
+    """Causal (optionally windowed) attention of the last T positions over all L positions.
+
+    q ``[B, T, Hq, D]``, k/v ``[B, L, Hkv, D]`` (L >= T, the queries are the last T positions),
+    key_valid ``[B, L]`` bool or None. Masked scores use the dtype's minimum, not -inf, so a
+    fully masked (padded) query row stays finite.
+    """
+    b, t, hq, _ = q.shape
+    length, hkv = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", q.float(), k.float()) * scale
+    q_pos = torch.arange(length - t, length, device=q.device)[:, None]
+    k_pos = torch.arange(length, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (q_pos - k_pos < window)
+    allowed = allowed[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :].bool()
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhtl,blhd->bthd", probs, v.float()).to(q.dtype)
+
+
+class Attention(nn.Module):
+    window: int | None = None
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d = config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.attn_num_heads,
+            config.attn_num_kv_heads,
+            config.attn_head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.o_proj._residual_out = True
+
+    def _kernel(self, q, k, v, mask, cu_seqlens):
+        if mask is None or bool(mask.all()):
+            return ops.attention(q, k, v, window=self.window, scale=self.scale, cu_seqlens=cu_seqlens)
+        # Pack the valid tokens of each row into one varlen batch so padding is never attended.
+        b, t = mask.shape
+        idx = mask.reshape(-1).nonzero().squeeze(-1)
+        lengths = mask.sum(1)
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        cu[1:] = lengths.cumsum(0)
+        packed = [x.reshape(b * t, *x.shape[2:])[idx][None] for x in (q, k, v)]
+        o = ops.attention(*packed, window=self.window, scale=self.scale, cu_seqlens=cu)
+        out = q.new_zeros(b * t, *o.shape[2:])
+        out[idx] = o[0]
+        return out.view(b, t, *o.shape[2:])
+
+    def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, position_ids, self.config.rope_theta)
+        k = apply_rotary(k, position_ids, self.config.rope_theta)
+        layer_cache = cache[self.layer_idx] if cache is not None else None
+        if layer_cache is not None and "k" in layer_cache:
+            k = torch.cat([layer_cache["k"], k], dim=1)
+            v = torch.cat([layer_cache["v"], v], dim=1)
+            key_valid = None if full_mask is None else full_mask[:, -k.shape[1] :]
+            o = attend_with_cache(q, k, v, key_valid, self.window, self.scale)
+        else:
+            o = self._kernel(q, k, v, mask, cu_seqlens)
+        if layer_cache is not None:
+            keep = k.shape[1] if self.window is None else min(k.shape[1], self.window - 1)
+            layer_cache["k"] = k[:, k.shape[1] - keep :]
+            layer_cache["v"] = v[:, v.shape[1] - keep :]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class SlidingWindowAttention(Attention):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.window = config.window_size

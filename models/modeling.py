@@ -1,0 +1,330 @@
+"""The generic ttr decoder: ``TTRModel`` and ``TTRForCausalLM``.
+
+Block ``i`` = ``x + mixer_i(RMSNorm(x))`` then, when ``intermediate_size > 0``,
+``x + SwiGLU(RMSNorm(x))`` (pre-norm residual blocks as in Transformer++, Touvron et al. 2023,
+arXiv:2302.13971). The mixer class comes from ``layer_types[i]`` via ``LAYER_TYPES``.
+
+Padding, packing and positions are resolved once here and handed to every layer:
+
+* ``attention_mask`` (2-D, covering the cached and the new positions) -> ``full_mask`` (for
+  attention over cached keys) and ``mask`` (the new positions; linear mixers zero k/v/beta and
+  the decay there, so padding never touches a state).
+* ``cu_seqlens`` (B == 1), or derived from ``position_ids`` that restart at 0, keeps documents
+  apart in every kernel; rotary positions restart per document.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from . import ops
+from .cache import TTRCache
+from .configuration import TTRConfig
+from .layers import LAYER_TYPES
+from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU
+
+
+class TTRBlock(GradientCheckpointingLayer):
+    def __init__(self, config: TTRConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mixer = LAYER_TYPES[config.layer_types[layer_idx]](config, layer_idx)
+        if config.intermediate_size > 0:
+            self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp_norm = self.mlp = None
+
+    def forward(
+        self,
+        hidden_states,
+        mask=None,
+        full_mask=None,
+        cu_seqlens=None,
+        position_ids=None,
+        past_key_values=None,
+    ):
+        hidden_states = hidden_states + self.mixer(
+            self.mixer_norm(hidden_states),
+            mask=mask,
+            full_mask=full_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            cache=past_key_values,
+        )
+        if self.mlp is not None:
+            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states
+
+
+class TTRPreTrainedModel(PreTrainedModel):
+    config_class = TTRConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["TTRBlock"]
+    _is_stateful = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        cfg = self.config
+        std = cfg.initializer_range
+        if isinstance(module, nn.Linear):
+            if getattr(module, "_residual_out", False):
+                # GPT-2 scheme (Radford et al. 2019): residual output projections scaled by
+                # 1/sqrt(number of residual branches) so the residual stream's variance does not
+                # grow with depth.
+                branches = cfg.num_hidden_layers * (2 if cfg.intermediate_size > 0 else 1)
+                std = std / math.sqrt(branches)
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ShortConv):
+            module.init_conv_weights(init)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            init.ones_(module.weight)
+        if hasattr(module, "init_mixer_weights"):
+            module.init_mixer_weights(init)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document boundaries where ``position_ids`` (``[1, T]``) restart at 0, or None without restarts."""
+    pos = position_ids[0]
+    starts = (pos[1:] == 0).nonzero().squeeze(-1) + 1
+    if starts.numel() == 0:
+        return None
+    t = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([torch.zeros(1, dtype=starts.dtype, device=pos.device), starts, t]).to(torch.int32)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    idx = torch.arange(t, device=cu_seqlens.device)
+    doc = torch.searchsorted(cu_seqlens[1:].long(), idx, right=True)
+    return (idx - cu_seqlens.long()[doc])[None]
+
+
+class TTRModel(TTRPreTrainedModel):
+    def __init__(self, config: TTRConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TTRBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings = value
+
+    def _resolve_masks(self, attention_mask, b: int, t: int, seen: int):
+        if attention_mask is None:
+            return None, None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] != seen + t:
+            raise ValueError(
+                f"attention_mask must be 2-D [B, cached + new] = [{b}, {seen + t}] (padding 0, tokens 1), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        full_mask = attention_mask.bool()
+        if bool(full_mask.all()):
+            return None, None
+        mask = full_mask[:, -t:]
+        return (None if bool(mask.all()) else mask), full_mask
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: TTRCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = True,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t = hidden.shape[:2]
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if cu_seqlens is None and position_ids is not None and b == 1 and past_key_values is None:
+            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        if cu_seqlens is not None:
+            if past_key_values is not None:
+                raise ValueError("cu_seqlens (packed documents) cannot be combined with past_key_values")
+            if attention_mask is not None and not bool(attention_mask.bool().all()):
+                raise ValueError(
+                    "attention_mask with padding cannot be combined with cu_seqlens; pack instead"
+                )
+            attention_mask, use_cache = None, False
+        if past_key_values is not None and not isinstance(past_key_values, TTRCache):
+            raise TypeError(f"past_key_values must be a TTRCache, got {type(past_key_values).__name__}")
+        if use_cache and past_key_values is None:
+            past_key_values = TTRCache(self.config.num_hidden_layers)
+        cache = past_key_values if use_cache else None
+        seen = cache.seen_tokens if cache is not None else 0
+        mask, full_mask = self._resolve_masks(attention_mask, b, t, seen)
+        if position_ids is None:
+            if cu_seqlens is not None:
+                position_ids = positions_from_cu_seqlens(cu_seqlens, t)
+            elif full_mask is not None:
+                position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+            else:
+                position_ids = torch.arange(seen, seen + t, device=hidden.device)[None].expand(b, t)
+        all_hidden = [] if output_hidden_states else None
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            hidden = layer(
+                hidden,
+                mask=mask,
+                full_mask=full_mask,
+                cu_seqlens=cu_seqlens,
+                position_ids=position_ids,
+                past_key_values=cache,
+            )
+        hidden = self.norm(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        if cache is not None:
+            cache.seen_tokens += t
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            past_key_values=cache,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
+
+
+class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: TTRConfig):
+        super().__init__(config)
+        self.model = TTRModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value):
+        self.model.embeddings = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The model builds its own TTRCache (recurrent + conv states, windowed KV).
+        return False
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: TTRCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = True,
+        logits_to_keep: int | None = None,
+        **kwargs,
+    ) -> dict:
+        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        inputs = {
+            "past_key_values": past_key_values,
+            "attention_mask": attention_mask,
+            "use_cache": use_cache,
+        }
+        if inputs_embeds is not None and seen == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+            inputs["input_ids"] = None
+        else:
+            inputs["input_ids"] = input_ids[:, seen:].contiguous()
+        if logits_to_keep is not None:
+            inputs["logits_to_keep"] = logits_to_keep
+        return inputs
+
+    def _targets(self, labels, shape, cu_seqlens):
+        if labels.shape != shape:
+            raise ValueError(f"labels must have shape [B, T] = {tuple(shape)}, got {tuple(labels.shape)}")
+        # HF convention: labels are the inputs; position t predicts label t+1.
+        targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        if cu_seqlens is not None:
+            # The last token of a document must not be trained to predict the next document.
+            targets[0, cu_seqlens[1:].long() - 1] = -100
+        return targets.reshape(-1)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: TTRCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        if (
+            cu_seqlens is None
+            and position_ids is not None
+            and past_key_values is None
+            and position_ids.shape[0] == 1
+        ):
+            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cu_seqlens=cu_seqlens,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        loss = logits = None
+        if labels is None or not self.config.fuse_cross_entropy:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden[:, keep] if labels is None else hidden)
+        if labels is not None:
+            targets = self._targets(labels, hidden.shape[:2], cu_seqlens)
+            reduction = "mean" if num_items_in_batch is None else "sum"
+            if logits is None:
+                h = hidden.reshape(-1, hidden.shape[-1])
+                loss = ops.linear_cross_entropy(
+                    h, self.lm_head.weight, targets, ignore_index=-100, reduction=reduction
+                )
+            else:
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction=reduction
+                )
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )
