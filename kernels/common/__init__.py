@@ -1,0 +1,39 @@
+"""The chunkwise engine: the stages every chunkwise mixer (DeltaNet, Gated DeltaNet, GLA, SSD) composes.
+
+Chunk size ``BT = 64``. Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
+``prepare_chunks(cu_seqlens, batch, seqlen)``: inputs ``[B, T, ...]`` are read as ``[1, B*T, ...]``
+with ``cu_seqlens = [0, T, 2T, ...]`` when not packed, chunks are indexed per sequence (a chunk never
+straddles two documents), and per-chunk tensors (``h``, ``dh``) are ``[NT, H, K, V]`` with ``NT`` the
+total number of chunks over all sequences, in sequence order. Gates are log-space fp32 and, inside
+the engine, already chunk-local cumulative sums (``g_cum``).
+
+Stages (Triton, forward and backward; ``q, k [B,T,H,K]``, ``v, u, v_new [B,T,H,V]``, ``g [B,T,H]``,
+``gk [B,T,H,K]``, ``beta [B,T,H]``):
+
+- ``index.prepare_chunks(cu_seqlens, batch, seqlen, chunk_size=64) -> ChunkPlan``
+- ``cumsum.chunk_local_cumsum(g, plan, *, reverse=False) -> g_cum`` (fp32, ``[B,T,H]`` or
+  ``[B,T,H,K]``). Its backward is the same call with ``reverse=True``.
+- ``wy.wy_fwd(k, v, beta, plan, *, g=None) -> (w, u, Ainv)``:
+  ``A = tril(diag(beta) K K^T ⊙ Γ, -1)``, ``Γ_ij = exp(g_i - g_j)`` (1 without g),
+  ``Ainv = (I + A)^-1`` (``[B,T,H,BT]`` fp32), ``T = Ainv diag(beta)``, ``w = T (k ⊙ exp(g))``,
+  ``u = T v``.
+- ``wy.wy_bwd(k, v, beta, Ainv, dw, du, plan, *, g=None, dk=None, dg=None)
+  -> (dk, dv, dbeta, dg)``: adds the WY gradients to ``dk`` (fp32 partial or None) and to ``dg``
+  (cumulative-gate space) and returns ``dg`` already mapped back to the raw gate (reverse cumsum).
+- ``state.state_fwd(k, u, plan, *, w=None, g=None, gk=None, initial_state=None,
+  output_final_state=False) -> (h, v_new, final_state)``: ``h[c]`` is the state before chunk c;
+  ``v_new = u - w h`` (``v_new is u`` without ``w``); the state update is
+  ``h <- exp(g_last) h + (k ⊙ exp(g_last - g))^T v_new`` (per key row with ``gk``).
+- ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
+  need_dh0=False) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state *after* chunk c,
+  ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its full gradient.
+- ``output.output_fwd(q, k, v_new, h, plan, *, scale, g=None) -> o``:
+  ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
+- ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of
+  ``v_new`` (``(q k^T ⊙ causal ⊙ Γ)^T do * scale``).
+- ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None)
+  -> (dq, dk, dw, dg)``: dq (q dtype), dk (fp32, to be completed by ``wy_bwd`` for delta rules),
+  dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32).
+- ``torch_chunk.chunk_delta_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
+  cu_seqlens)``: the chunked torch implementation (CPU backend), autograd through torch ops.
+"""

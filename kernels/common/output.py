@@ -1,0 +1,195 @@
+"""The output stage and its backward, for a scalar (or no) gate.
+
+Per chunk, with ``h`` the state before the chunk and g the cumulative log gate (0 without one):
+``o = scale (q ⊙ exp(g)) h + scale (q k^T ⊙ causal ⊙ Γ) v``, ``Γ_ij = exp(g_i - g_j)``,
+causal including the diagonal. ``v`` is the corrected value ``v_new`` for delta rules.
+
+Backward (``dS = scale (do v^T) ⊙ causal ⊙ Γ``):
+``dv_intra = scale (q k^T ⊙ causal ⊙ Γ)^T do`` (``output_bwd_dv``, needed before the state pass),
+``dq = scale (do h^T) ⊙ exp(g) + dS k``, ``dk = dS^T q + (v dh^T) ⊙ exp(g_last - g)``,
+``dw = -dv2 h^T`` (delta rules, where ``v = u - w h``), and the cumulative-gate gradient
+``dg_i = q_i·dq_state_i + sum_j P_ij - sum_j P_ji - k_i·dk_state_i (+ last row terms)`` with
+``P = dS ⊙ q k^T``. Programs of ``output_bwd_dqk`` split K; their dg partials are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.tile import tile
+
+
+@triton.jit
+def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_i = tl.arange(0, BT)
+    m_t = i_c * BT + o_i < T
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q, m_q = tile(q + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
+        p_h, m_h = tile(h + (i_t.to(tl.int64) * H + i_h) * K * V, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_o += tl.dot(b_q, b_h.to(b_q.dtype))
+        b_A += tl.dot(b_q, b_k)
+    m_A = o_i[:, None] >= o_i[None, :]
+    if USE_G:
+        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_o *= tl.exp(b_g)[:, None]
+        b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    b_A = tl.where(m_A, b_A, 0.)
+    p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+    p_o, m_o = tile(o + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+    b_v = tl.load(p_v, mask=m_v, other=0.)
+    b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         USE_G: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_i = tl.arange(0, BT)
+    m_t = i_c * BT + o_i < T
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_q, m_q = tile(q + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
+        b_A += tl.dot(tl.load(p_k, mask=m_k, other=0.), tl.load(p_q, mask=m_q, other=0.))
+    m_A = o_i[:, None] <= o_i[None, :]
+    if USE_G:
+        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
+    b_A = tl.where(m_A, b_A * scale, 0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+        tl.store(p_dv, tl.dot(b_A.to(b_do.dtype), b_do).to(p_dv.dtype.element_ty), mask=m_dv)
+
+
+@triton.jit
+def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, TT,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr):
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_i = tl.arange(0, BT)
+    m_t = i_c * BT + o_i < T
+    p_hb = h + (i_t.to(tl.int64) * H + i_h) * K * V
+    p_dhb = dh + (i_t.to(tl.int64) * H + i_h) * K * V
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dS = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_h, m_h = tile(p_hb, i_v * BV, i_k * BK, V, K, 1, V, BV, BK)
+        p_dh, m_dh = tile(p_dhb, i_v * BV, i_k * BK, V, K, 1, V, BV, BK)
+        b_v = tl.load(p_v, mask=m_v, other=0.)  # [BT, BV]
+        b_do = tl.load(p_do, mask=m_do, other=0.)  # [BT, BV]
+        b_h = tl.load(p_h, mask=m_h, other=0.)  # [BV, BK]
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)  # [BV, BK]
+        b_dqs += tl.dot(b_do, b_h.to(b_do.dtype))
+        b_dks += tl.dot(b_v, b_dh.to(b_v.dtype))
+        b_dS += tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
+        if USE_G:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
+        if USE_W:
+            p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+            b_dv = tl.load(p_dv, mask=m_dv, other=0.)
+            b_dw += tl.dot(b_dv.to(b_h.dtype), b_h)
+    p_q, m_q = tile(q + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    m_A = o_i[:, None] >= o_i[None, :]
+    b_dqs *= scale
+    if USE_G:
+        last = tl.minimum((i_c + 1) * BT, T) - 1
+        b_gl = tl.load(g + (bos + last) * H + i_h)
+        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_dqs *= tl.exp(b_g)[:, None]
+        b_dks *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
+        b_dS *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    b_dS = tl.where(m_A, b_dS * scale, 0.)
+    b_dq = b_dqs + tl.dot(b_dS.to(b_k.dtype), b_k)
+    b_dk = b_dks + tl.dot(tl.trans(b_dS).to(b_q.dtype), b_q)
+    p_dq, m_dq = tile(dq + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    p_dk, m_dk = tile(dk + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_dq)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
+    if USE_W:
+        p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), mask=m_dw)
+    if USE_G:
+        b_P = b_dS * tl.dot(b_q, tl.trans(b_k))
+        b_kdks = tl.sum(b_dks * b_k.to(tl.float32), 1)
+        b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) + tl.sum(b_P, 1) - tl.sum(b_P, 0) - b_kdks
+        b_dg += tl.where(i_c * BT + o_i == last, tl.sum(b_kdks, 0) + tl.exp(b_gl) * tl.sum(b_hdh, 0), 0.)
+        tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
+
+
+def _blocks(K: int, V: int) -> tuple[int, int]:
+    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, plan: ChunkPlan, *,
+               scale: float, g: torch.Tensor | None = None) -> torch.Tensor:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    o = torch.empty_like(v)
+    output_fwd_kernel[(triton.cdiv(V, BV), plan.num_chunks, H)](
+        q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
+        BV=BV, USE_G=g is not None)
+    return o
+
+
+def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: ChunkPlan, *, scale: float,
+                  g: torch.Tensor | None = None) -> torch.Tensor:
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV = _blocks(K, V)
+    dv = torch.empty_like(do)
+    output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
+                                               K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None)
+    return dv
+
+
+def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+                   do: torch.Tensor, plan: ChunkPlan, *, scale: float, g: torch.Tensor | None = None,
+                   dv: torch.Tensor | None = None):
+    """Returns ``(dq, dk fp32, dw or None, dg fp32 in cumulative-gate space or None)``."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    NK = triton.cdiv(K, BK)
+    dq = torch.empty_like(q)
+    dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dw = torch.empty_like(k) if dv is not None else None
+    dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
+    output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
+        q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, K=K,
+        V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None, USE_W=dv is not None)
+    if dg is not None:
+        dg = dg.sum(0)
+    return dq, dk, dw, dg

@@ -1,0 +1,255 @@
+"""WY / UT representation of a chunk of delta-rule updates (DeltaNet paper, Yang et al. 2024, §3).
+
+Inside a chunk of BT = 64 tokens with keys K, values V, betas b and cumulative log gates g:
+``A = tril(diag(b) K K^T ⊙ Γ, -1)`` with ``Γ_ij = exp(g_i - g_j)`` (all ones without a gate),
+``Ainv = (I + A)^-1`` (unit lower triangular), ``T = Ainv diag(b)``, ``w = T (K ⊙ exp(g))``,
+``u = T V``. Then the chunk's corrected values are ``v_new = u - w S`` for the state S before
+the chunk (``state.py``).
+
+The inverse: the four 16 x 16 diagonal blocks by forward substitution (rows read back from a
+global scratch, which is the ``Ainv`` output itself), then the off-diagonal blocks by block
+forward substitution, ``Inv_rc = -Inv_rr sum_{c <= m < r} A_rm Inv_mc``. This is exact
+arithmetic on bounded quantities; a Neumann/product series would form powers of A whose
+entries grow like binomials when keys are correlated.
+
+Shapes: k ``[B,T,H,K]``, v ``[B,T,H,V]``, beta ``[B,T,H]``, g ``[B,T,H]`` fp32 (cumulative),
+Ainv ``[B,T,H,BT]`` fp32 (row t holds row t mod BT of its chunk's inverse).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.tile import tile
+
+
+@triton.jit
+def _ld16(Ai, g0, r, c, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
+    o_s = tl.arange(0, 16)
+    rows = r * 16 + o_s
+    p = Ai + ((g0 + rows).to(tl.int64) * H + i_h)[:, None] * BT + c * 16 + o_s[None, :]
+    return tl.load(p, mask=(rows < n_valid)[:, None], other=0.)
+
+
+@triton.jit
+def _st16(Ai, b, g0, r, c, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
+    o_s = tl.arange(0, 16)
+    rows = r * 16 + o_s
+    p = Ai + ((g0 + rows).to(tl.int64) * H + i_h)[:, None] * BT + c * 16 + o_s[None, :]
+    tl.store(p, b, mask=(rows < n_valid)[:, None])
+
+
+@triton.jit
+def _inv_diag16(Ai, g0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """Overwrite the four strictly lower 16 x 16 diagonal blocks of the scratch with
+    ``(I + A_rr)^-1``, all four at once, by forward substitution over the 16 rows."""
+    o_r = tl.arange(0, 4)
+    o_s = tl.arange(0, 16)
+    b_n = tl.zeros([4, 16, 16], dtype=tl.float32)
+    for i in range(1, 16):
+        row = o_r * 16 + i  # [4]
+        p = Ai + ((g0 + row).to(tl.int64) * H + i_h)[:, None] * BT + (o_r * 16)[:, None] + o_s[None, :]
+        b_a = -tl.load(p, mask=(o_s[None, :] < i) & (row < n_valid)[:, None], other=0.)  # [4, 16]
+        b_a = b_a + tl.sum(b_a[:, :, None] * b_n, 1)
+        b_n = tl.where((o_s == i)[None, :, None], b_a[:, None, :], b_n)
+    b_n += tl.where(o_s[:, None] == o_s[None, :], 1., 0.)[None, :, :]
+    rows = o_r[:, None] * 16 + o_s[None, :]  # [4, 16]
+    p = (Ai + ((g0 + rows).to(tl.int64) * H + i_h)[:, :, None] * BT + (o_r * 16)[:, None, None]
+         + o_s[None, None, :])
+    tl.debug_barrier()
+    tl.store(p, b_n, mask=(rows < n_valid)[:, :, None])
+
+
+@triton.jit
+def _dot(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    g0 = bos + i_c * BT
+    n_valid = T - i_c * BT
+    o_i = tl.arange(0, BT)
+    m_t = o_i < n_valid
+    b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
+        b_A += tl.dot(b_k, tl.trans(b_k))
+    m_A = o_i[:, None] > o_i[None, :]
+    if USE_G:
+        b_g = tl.load(g + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+        b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
+    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    tl.store(p_Ai, b_A, mask=m_t[:, None])
+    tl.debug_barrier()
+
+    _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+    b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
+    b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
+    b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
+    b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
+    b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
+    b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
+    b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
+    b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
+    b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
+    b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+    b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
+    b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
+    b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
+    b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
+    b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
+    b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
+    _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
+    _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
+    _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+
+    b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_w, m_w = tile(w + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        if USE_G:
+            b_k = (b_k * tl.exp(b_g)[:, None]).to(b_k.dtype)
+        b_w = tl.dot(b_T.to(b_k.dtype), b_k)
+        tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_w)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_u, m_u = tile(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        b_u = tl.dot(b_T.to(b_v.dtype), b_v)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_u)
+
+
+@triton.jit
+def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    g0 = bos + i_c * BT
+    o_i = tl.arange(0, BT)
+    m_t = o_i < T - i_c * BT
+    m_A = o_i[:, None] > o_i[None, :]
+    b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_T = b_Ai * b_beta[None, :]
+    if USE_G:
+        b_g = tl.load(g + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+        b_eg = tl.exp(b_g)
+
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        if USE_G:
+            b_k = (b_k * b_eg[:, None]).to(b_k.dtype)
+        b_dw = tl.load(p_dw, mask=m_dw, other=0.)
+        b_dT += tl.dot(b_dw.to(b_k.dtype), tl.trans(b_k))
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_du, m_du = tile(du + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        b_du = tl.load(p_du, mask=m_du, other=0.).to(b_v.dtype)
+        b_dT += tl.dot(b_du, tl.trans(b_v))
+        b_dv = tl.dot(tl.trans(b_T).to(b_v.dtype), b_du)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+
+    # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
+    b_dbeta = tl.sum(b_dT * b_Ai, 0)
+    b_dA = tl.dot(tl.trans(b_Ai), b_dT * b_beta[None, :])
+    b_dA = tl.where(m_A, -tl.dot(b_dA, tl.trans(b_Ai)), 0.)
+    if USE_G:
+        b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    # now b_dA is the gradient of beta_i <k_i, k_j> (i > j)
+    b_dB = b_dA * b_beta[:, None]
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        p_dk, m_dk = tile(dk + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_dw = tl.load(p_dw, mask=m_dw, other=0.).to(b_k.dtype)
+        b_KK += tl.dot(b_k, tl.trans(b_k))
+        b_dkb = tl.dot(tl.trans(b_T).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
+        b_dk = tl.dot(b_dB.to(b_k.dtype), b_k) + tl.dot(tl.trans(b_dB).to(b_k.dtype), b_k)
+        if USE_G:
+            b_dk += b_dkb * b_eg[:, None]
+            b_dgc += tl.sum(b_dkb * b_k * b_eg[:, None], 1)
+        else:
+            b_dk += b_dkb
+        if HAS_DK:
+            p_dki, m_dki = tile(dk_in + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+            b_dk += tl.load(p_dki, mask=m_dki, other=0.)
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
+    b_dbeta += tl.sum(b_dA * b_KK, 1)
+    tl.store(dbeta + (g0 + o_i) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    if USE_G:
+        b_P = b_dB * b_KK
+        b_dgc += tl.sum(b_P, 1) - tl.sum(b_P, 0)
+        if HAS_DG:
+            b_dgc += tl.load(dg_in + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+        b_dgc = tl.where(m_t, b_dgc, 0.)
+        # back from cumulative to raw gates: a reverse cumsum inside the chunk
+        b_dg = tl.sum(b_dgc, 0) - tl.cumsum(b_dgc, 0) + b_dgc
+        tl.store(dg + (g0 + o_i) * H + i_h, b_dg, mask=m_t)
+
+
+def _blocks(K: int, V: int) -> tuple[int, int]:
+    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan, *,
+           g: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BT = plan.chunk_size
+    assert BT == 64, "the triangular inverse is written for 64-token chunks"
+    BK, BV = _blocks(K, V)
+    w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
+    wy_fwd_kernel[(plan.num_chunks, H)](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
+                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None)
+    return w, u, Ai
+
+
+def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tensor, dw: torch.Tensor,
+           du: torch.Tensor, plan: ChunkPlan, *, g: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+           dg: torch.Tensor | None = None):
+    """Returns ``(dk, dv, dbeta, dg)``; ``dg`` (raw-gate space, fp32) is None without ``g``."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    dk_out = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    dg_out = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if g is not None else None
+    wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
+                                         plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
+                                         BK=BK, BV=BV, USE_G=g is not None, HAS_DK=dk is not None,
+                                         HAS_DG=dg is not None)
+    return dk_out, dv, dbeta, dg_out

@@ -1,0 +1,55 @@
+"""Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
+
+Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output.
+Backward recomputes w, u, h and v_new (cheaper than keeping them), then: intra-chunk dv ->
+reverse state pass (dh, dh0, full dv) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta, dg),
+whose last step maps dg from cumulative back to raw gates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ttr.kernels.common.cumsum import chunk_local_cumsum
+from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd
+from ttr.kernels.common.wy import wy_bwd, wy_fwd
+
+
+class ChunkDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        B, T = q.shape[:2]
+        plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
+        g_cum = chunk_local_cumsum(g, plan) if g is not None else None
+        w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum)
+        h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
+                                 output_final_state=output_final_state)
+        o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
+        ctx.save_for_backward(q, k, v, g_cum, beta, initial_state)
+        ctx.plan, ctx.scale = plan, scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g_cum, beta, h0 = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
+        h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
+        dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
+        dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None)
+        dq, dk, dw, dg = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, g=g_cum, dv=dv)
+        dk, dv, dbeta, dg = wy_bwd(k, v, beta, Ai, dw, dv, plan, g=g_cum, dk=dk, dg=dg)
+        if dh0 is not None:
+            dh0 = dh0.to(h0.dtype)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+def chunk_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = g.contiguous() if g is not None else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    return ChunkDeltaRuleFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
