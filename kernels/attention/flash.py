@@ -25,53 +25,61 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 
 LOG2E = math.log2(math.e)
 
-# Autotune spaces stay small (device minutes cost); keyed on the head dim only. Head dim 256
-# keeps tiles at 64 x 64 (fwd) / 32 x 64 (bwd) so q, k, v tiles and fp32 accumulators fit the
-# 228 KB of shared memory and the register file of an H100/H200 SM.
+# Autotune spaces stay small (device minutes cost), keyed on the block head dim. Above 128 the
+# tiles shrink so the q/k/v tiles fit the 228 KB of shared memory of an H100/H200 SM and the fp32
+# accumulators ([BM or BN, 256]) stay near 64 registers per thread.
 FWD_CONFIGS = [
     triton.Config({"BM": 128, "BN": 64}, num_warps=4, num_stages=3),
     triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3),
     triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
+]
+FWD_CONFIGS_WIDE = [
     triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
 ]
 DKDV_CONFIGS = [
     triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=2),
     triton.Config({"BM": 32, "BN": 128}, num_warps=4, num_stages=3),
     triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+]
+DKDV_CONFIGS_WIDE = [
     triton.Config({"BM": 32, "BN": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=2),
 ]
 DQ_CONFIGS = [
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=2),
     triton.Config({"BM": 128, "BN": 32}, num_warps=4, num_stages=3),
     triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+]
+DQ_CONFIGS_WIDE = [
     triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=2),
 ]
 # Under the interpreter (no driver, so no autotune) one small config is launched; BM != BN so
 # the tests exercise block ranges whose edges do not line up.
-INTERPRET_META = {"fwd": {"BM": 32, "BN": 16}, "dkdv": {"BM": 16, "BN": 32}, "dq": {"BM": 32, "BN": 16}}
+INTERPRET_META = {"fwd": {"BM": 64, "BN": 32}, "dkdv": {"BM": 32, "BN": 64}, "dq": {"BM": 64, "BN": 32}}
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Drop tiles that cannot fit on chip for head dims above 128."""
-    bd = {**named_args, **kwargs}["BD"]
-    if bd <= 128:
-        return configs
-    small = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] <= 64 * 64 and c.num_stages <= 2]
-    return small or configs[-1:]
+def _autotune(configs, wide_configs):
+    """``triton.autotune`` keyed on the block head dim ``BD``, ``wide_configs`` for BD > 128;
+    under the interpreter the bare kernel (autotune needs a driver)."""
+    wide = {id(c) for c in wide_configs}
 
-
-def _autotune(configs):
-    """``triton.autotune`` keyed on the head dim; under the interpreter the bare kernel."""
+    def prune(configs, named_args, **kwargs):
+        keep_wide = {**named_args, **kwargs}["BD"] > 128
+        return [c for c in configs if (id(c) in wide) == keep_wide]
 
     def wrap(fn):
         if interpreter_active():
             return fn
-        return triton.autotune(configs=configs, key=["BD"], prune_configs_by={"early_config_prune": _prune_configs})(fn)
+        return triton.autotune(configs=configs + wide_configs, key=["BD"],
+                               prune_configs_by={"early_config_prune": prune})(fn)
 
     return wrap
 
@@ -112,7 +120,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, strid
     return b_acc, b_l, b_m
 
 
-@_autotune(FWD_CONFIGS)
+@_autotune(FWD_CONFIGS, FWD_CONFIGS_WIDE)
 @triton.jit
 def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -194,7 +202,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
     return b_dk, b_dv
 
 
-@_autotune(DKDV_CONFIGS)
+@_autotune(DKDV_CONFIGS, DKDV_CONFIGS_WIDE)
 @triton.jit
 def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W, qk_scale, scale,
                          HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -257,7 +265,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L
     return b_dq
 
 
-@_autotune(DQ_CONFIGS)
+@_autotune(DQ_CONFIGS, DQ_CONFIGS_WIDE)
 @triton.jit
 def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_scale, scale,
                        HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -300,8 +308,12 @@ def _launch(kernel, name, grid, *args, **consts):
     if interpreter_active():
         meta = INTERPRET_META[name]
         kernel[grid(meta)](*args, **consts, **meta)
-    else:
+        return
+    try:
         kernel[grid](*args, **consts)
+    except OutOfResources as err:
+        raise ValueError(f"attention head dim D={consts['D']} does not fit this GPU's shared memory or "
+                         f"registers in the {name} kernel ({err}); use D <= 128 or the torch backend") from err
 
 
 def attention_fwd(q, k, v, cu_seqlens, max_len, window, scale):
