@@ -1,0 +1,385 @@
+"""The training loop: accelerate (FSDP2 / DDP / one device), gradient accumulation normalised by
+target tokens, non-finite skipping, validation, checkpoints, signals.
+
+Loss normalisation: one optimizer step consumes ``accum`` micro-batches on each of ``W`` ranks.
+Their target tokens (labels != -100 after the shift) are counted first and summed over ranks
+(``N``); every micro-batch's loss is its summed token loss divided by ``N / W`` (passed to the
+model as ``num_items_in_batch``), and DDP/FSDP average gradients over ranks, so the gradient is
+exactly that of the mean loss over the ``N`` tokens, however documents fall into micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import BatchStream, Encoder, HFDocStream, MapDocStream, validation_batches, validation_ids
+from .metrics import MetricsSink, peak_flops, peak_memory_gib, train_flops_per_token
+from .optim import build_optimizer, lr_multiplier, set_lr
+from .sources import open_source
+from .tokenizer import SentencePieceTokenizer, load_tokenizer
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when the run cannot continue (too many non-finite steps in a row)."""
+
+
+class Trainer:
+    def __init__(self, cfg, *, resume: bool = False, overwrite: bool = False, model_factory=None):
+        if resume and overwrite:
+            raise ValueError("resume and overwrite are mutually exclusive")
+        self.cfg, self.resume, self.overwrite = cfg, resume, overwrite
+        self.model_factory = model_factory or build_model
+        self.stop_signal = None
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _accelerator(self):
+        from accelerate import Accelerator
+
+        t = self.cfg.train
+        cuda = torch.cuda.is_available()
+        precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
+        kwargs = {"mixed_precision": "bf16" if precision == "bf16" else "no", "cpu": not cuda}
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        mode = t.distributed
+        if mode == "auto":
+            mode = "fsdp" if world > 1 and cuda else ("ddp" if world > 1 else "none")
+        if mode == "fsdp":
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                reshard_after_forward=True,
+                auto_wrap_policy="transformer_based_wrap",
+                state_dict_type="SHARDED_STATE_DICT",
+                activation_checkpointing=False,  # done by the model (gradient_checkpointing_enable)
+            )
+        self.mode = mode
+        return Accelerator(**kwargs)
+
+    def _prepare_run_dir(self) -> Path:
+        cfg = self.cfg
+        run_dir = Path(cfg.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if self.acc.is_main_process:
+            busy = run_dir.exists() and any(run_dir.iterdir())
+            if busy and self.overwrite:
+                shutil.rmtree(run_dir)
+            elif busy and not self.resume:
+                raise FileExistsError(
+                    f"run directory {str(run_dir)!r} already exists and is not empty; "
+                    "pass --resume to continue it or --overwrite to replace it"
+                )
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self.acc.wait_for_everyone()
+        return run_dir
+
+    def _tokenizer(self, source):
+        cfg = self.cfg
+        saved = self.run_dir / "tokenizer" / "ttr_tokenizer.model"
+        if saved.is_file():  # a resumed run keeps the tokenizer it started with
+            return SentencePieceTokenizer(saved.read_bytes())
+        if cfg.tokenizer.path:
+            return load_tokenizer(cfg.tokenizer.path)
+        if source is None:
+            raise ValueError("data.source 'hf:...' needs tokenizer.path (ttr trains tokenizers on local data only)")
+
+        def texts():
+            ids = np.random.default_rng(0).permutation(len(source))[: cfg.tokenizer.train_docs]
+            for i in ids:
+                doc = source.get(int(i))
+                if not isinstance(doc, str):
+                    raise ValueError("token shards carry their own tokenizer: set tokenizer.path to it")
+                yield doc
+
+        kwargs = {"texts": texts, "fingerprint": source.fingerprint(), "vocab_size": cfg.tokenizer.vocab_size,
+                  "cache_dir": cfg.tokenizer.cache_dir}
+        if self.acc.is_main_process:  # rank 0 trains and caches, the others read the cache
+            tok = load_tokenizer("", **kwargs)
+        self.acc.wait_for_everyone()
+        if not self.acc.is_main_process:
+            tok = load_tokenizer("", **kwargs)
+        return tok
+
+    def _data(self, source, tokenizer):
+        cfg, d, t = self.cfg, self.cfg.data, self.cfg.train
+        rank, world = self.acc.process_index, self.acc.num_processes
+        self.encoder = Encoder(source, tokenizer, d.num_workers)
+        if d.val_source:
+            val_source = open_source(d.val_source, d.text_key)
+            if val_source is None:
+                raise ValueError("data.val_source must be a local path or 'embedded'")
+            val_items, held = range(min(len(val_source), max(d.val_docs, 1))), np.zeros(0, np.int64)
+        elif source is None:
+            val_source, held = None, None
+        else:
+            val_source, held = source, validation_ids(len(source), d.val_docs)
+            val_items = [int(i) for i in held]
+        if source is None:
+            stream = HFDocStream(d.source[3:], d.hf_config, d.hf_split, d.text_key, self.encoder, cfg.seed, rank,
+                                 world, 0 if d.val_source else d.val_docs, d.shuffle_buffer)
+            if not d.val_source:
+                val_items = stream.validation_texts()
+        else:
+            stream = MapDocStream(source, self.encoder, cfg.seed, rank, world, held)
+        val_docs = list(Encoder(val_source, tokenizer, 0).map(iter(val_items)))
+        everyone = validation_batches(val_docs, t.micro_batch_size, t.seq_len, cfg.log.val_batches * world)
+        self.val_batches = everyone[rank::world]
+        return stream
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.acc = self._accelerator()
+        self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        self.run_dir = self._prepare_run_dir()
+        self.ckpt = latest_checkpoint(self.run_dir) if self.resume else None
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        source = open_source(cfg.data.source, cfg.data.text_key)
+        self.tokenizer = self._tokenizer(source)
+        doc_stream = self._data(source, self.tokenizer)
+
+        t = cfg.train
+        per_step = t.micro_batch_size * t.seq_len * self.world
+        batch_tokens = t.batch_tokens or per_step
+        if batch_tokens % per_step:
+            raise ValueError(
+                f"train.batch_tokens={batch_tokens} must be a multiple of micro_batch_size * seq_len * "
+                f"processes = {per_step}"
+            )
+        self.accum, self.batch_tokens = batch_tokens // per_step, batch_tokens
+
+        model = self.model_factory(cfg, self.tokenizer)
+        if t.activation_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ValueError("train.activation_checkpointing: this model does not support it")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.config = getattr(model, "config", None)
+        self.flops_per_token = train_flops_per_token(model, self.config, t.seq_len) if self.config else None
+        self.num_params = sum(p.numel() for p in model.parameters())
+        fused = torch.cuda.is_available() and self.mode != "fsdp"
+        optimizer = build_optimizer(model, cfg.optim, fused=fused or None)
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        if t.compile:
+            self.model = torch.compile(self.model)
+        self.inner = self.acc.unwrap_model(self.model, keep_torch_compile=False)
+
+        self.step, self.tokens, self.nonfinite_total, self.nonfinite_streak = 0, 0, 0, 0
+        data_state = None
+        if self.ckpt is not None:
+            state = load_checkpoint(self.ckpt, self.inner, self.optimizer, rank=self.rank)
+            if state["world_size"] != self.world:
+                raise ValueError(
+                    f"checkpoint {self.ckpt} was written by {state['world_size']} processes; resume it with "
+                    f"the same number (now {self.world}) so every rank continues its data exactly"
+                )
+            self.step, self.tokens = state["step"], state["tokens"]
+            self.nonfinite_total, self.nonfinite_streak = state["nonfinite_total"], state["nonfinite_streak"]
+            data_state = state["data"][self.rank]
+        self.batches = BatchStream(doc_stream, t.micro_batch_size, t.seq_len, data_state)
+        if self.acc.is_main_process:
+            (self.run_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            if hasattr(self.config, "save_pretrained"):
+                self.config.save_pretrained(str(self.run_dir / "model"))
+            tok_dir = self.run_dir / "tokenizer"
+            if not tok_dir.exists():
+                self.tokenizer.save_hf(tok_dir)
+        self.sink = MetricsSink(self.run_dir, cfg, enabled=self.acc.is_main_process,
+                                total_steps=t.max_steps, start_step=self.step)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.float64, device=self.acc.device)
+        return float(self.acc.reduce(x, reduction="sum").item())
+
+    def _forward(self, batch: dict, num_items: float):
+        dev = self.acc.device
+        return self.model(
+            input_ids=batch["input_ids"].to(dev, non_blocking=True),
+            labels=batch["labels"].to(dev, non_blocking=True),
+            cu_seqlens=batch["cu_seqlens"].to(dev, non_blocking=True),
+            num_items_in_batch=num_items,
+            use_cache=False,
+        ).loss
+
+    def _trainer_state(self) -> dict:
+        states = self.acc.gather_for_metrics([self.batches.state()]) if self.world > 1 else [self.batches.state()]
+        return {
+            "step": self.step, "tokens": self.tokens, "world_size": self.world, "data": states,
+            "nonfinite_total": self.nonfinite_total, "nonfinite_streak": self.nonfinite_streak,
+            "config": self.cfg.to_dict(),
+        }
+
+    def save(self) -> Path:
+        state = self._trainer_state()
+        path = save_checkpoint(self.run_dir, self.step, self.inner, self.optimizer, state, rank=self.rank,
+                               barrier=self.acc.wait_for_everyone, keep_last=self.cfg.checkpoint.keep_last)
+        self.sink.message(f"checkpoint saved: {path}")
+        return path
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        self.model.eval()
+        total, count = 0.0, 0
+        for batch in self.val_batches:
+            total += float(self._forward(batch, 1.0).float())
+            count += batch["num_targets"]
+        self.model.train()
+        total, count = self._sum(total), self._sum(count)
+        loss = total / max(count, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    def _handle_signal(self, signum, frame):
+        if self.stop_signal is not None:  # second signal: give up at once
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        self.sink.message(f"received {signal.Signals(signum).name}: saving a checkpoint after this step")
+
+    def _stop_requested(self) -> bool:
+        return self._sum(1.0 if self.stop_signal is not None else 0.0) > 0
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        micro = [next(self.batches) for _ in range(self.accum)]
+        targets = self._sum(sum(b["num_targets"] for b in micro))
+        num_items = targets / self.world
+        lr = cfg.optim.lr * lr_multiplier(
+            self.step, max_steps=cfg.train.max_steps, schedule=cfg.optim.schedule,
+            warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
+            decay_fraction=cfg.optim.decay_fraction,
+        )
+        set_lr(self.optimizer, lr)
+        loss_sum = torch.zeros((), device=self.acc.device, dtype=torch.float32)
+        for i, batch in enumerate(micro):
+            sync = i == len(micro) - 1
+            ctx = self.acc.no_sync(self.model) if not sync and self.mode == "ddp" else contextlib.nullcontext()
+            with ctx:
+                loss = self._forward(batch, num_items)
+                self.acc.backward(loss)
+            loss_sum += loss.detach().float()
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = self._sum(float(loss_sum)) / self.world
+        grad_norm = float(grad_norm)
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_total += 1
+            self.nonfinite_streak += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += self.batch_tokens
+        if self.nonfinite_streak >= cfg.train.max_nonfinite:
+            raise TrainingStopped(
+                f"stopping at step {self.step}: {self.nonfinite_streak} non-finite steps in a row "
+                f"(loss={loss_value}, grad_norm={grad_norm}); lower optim.lr or check the data. The last good "
+                f"checkpoint is in {self.run_dir / 'checkpoints'}"
+            )
+        return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": not finite,
+                "tokens": self.tokens, "nonfinite_total": self.nonfinite_total}
+
+    def run(self) -> dict:
+        """Train to ``train.max_steps``; returns the last metrics record (and ``stopped_by``)."""
+        self.setup()
+        cfg, t = self.cfg, self.cfg.train
+        old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        record: dict = {}
+        self.history: list[dict] = []
+        try:
+            self.sink.message(
+                f"run {self.run_dir}: {self.num_params / 1e6:.2f}M parameters, {self.world} process(es) "
+                f"({self.mode}), {self.batch_tokens} tokens/step ({self.accum} micro-batches per rank), "
+                f"from step {self.step}"
+            )
+            peak = peak_flops(self.acc.device)
+            window_start, window_steps = time.perf_counter(), 0
+            while self.step < t.max_steps:
+                record = self.train_step()
+                self.history.append(record)
+                window_steps += 1
+                stop = self._stop_requested()
+                last = self.step == t.max_steps
+                if self.step % cfg.log.every == 0 or last or stop:
+                    if self.acc.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_steps * self.batch_tokens / elapsed
+                    record["tokens_per_s"] = tps
+                    if self.flops_per_token and peak:
+                        record["mfu"] = self.flops_per_token * tps / (peak * self.world)
+                    mem = peak_memory_gib(self.acc.device)
+                    if mem is not None:
+                        record["peak_mem_gib"] = mem
+                    if cfg.log.val_every and self.val_batches and (self.step % cfg.log.val_every == 0 or last):
+                        record.update(self.validate())
+                    self.sink.log(record)
+                    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                    if "mfu" in record:
+                        postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+                    if "val_loss" in record:
+                        postfix["val"] = f"{record['val_loss']:.3f}"
+                    self.sink.progress(window_steps, postfix)
+                    window_start, window_steps = time.perf_counter(), 0
+                every = cfg.checkpoint.every
+                if stop:
+                    self.save()
+                    record["stopped_by"] = signal.Signals(self.stop_signal or signal.SIGTERM).name
+                    return record
+                if last or (every and self.step % every == 0):
+                    self.save()
+            if t.export_at_end:
+                from .export import export_model
+
+                out = self.run_dir / "export"
+                export_model(self.inner, self.tokenizer, out, self.acc)
+                self.sink.message(f"exported to {out}")
+            return record
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            self.encoder.close()
+            self.sink.close()
+
+
+def build_model(cfg, tokenizer):
+    """A ``TTRForCausalLM`` from ``model.preset`` + ``model.overrides``, sized to the tokenizer
+    (vocab rounded up to a multiple of 64), or loaded from ``model.init_from``."""
+    from ttr.models import TTRForCausalLM
+    from ttr.models.presets import get_preset
+
+    if cfg.model.init_from:
+        model = TTRForCausalLM.from_pretrained(cfg.model.init_from)
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model.init_from has vocab {model.config.vocab_size} < the tokenizer's")
+        return model
+    overrides = dict(cfg.model.overrides)
+    vocab = overrides.pop("vocab_size", 64 * -(-tokenizer.vocab_size // 64))
+    if vocab < tokenizer.vocab_size:
+        raise ValueError(f"model.overrides.vocab_size={vocab} is smaller than the tokenizer ({tokenizer.vocab_size})")
+    overrides.setdefault("max_position_embeddings", max(cfg.train.seq_len, 2048))
+    config = get_preset(
+        cfg.model.preset, vocab_size=vocab, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id, **overrides,
+    )
+    return TTRForCausalLM(config)
