@@ -114,9 +114,10 @@ def _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN: tl.constexpr):
         bos = tl.load(cu + i_n, mask=m_t, other=0).to(tl.int32)
         eos = tl.load(cu + i_n + 1, mask=m_t, other=0).to(tl.int32)
     else:
-        i_n = tl.zeros_like(o_t) + i_b
-        bos = tl.zeros_like(o_t)
-        eos = tl.zeros_like(o_t) + T
+        # o_t * 0 rather than tl.zeros_like, which the interpreter rejects in nested helpers at times
+        i_n = o_t * 0 + i_b
+        bos = o_t * 0
+        eos = o_t * 0 + T
     return i_n, bos, eos
 
 

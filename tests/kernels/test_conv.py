@@ -1,0 +1,197 @@
+"""Causal depthwise short conv: every backend against the float64 per-token oracle.
+
+Outputs, final states and the grads of x, weight, bias and initial_state; widths 2..4, odd
+lengths, packed documents (lengths 1, 3, 64, 130 and an empty one), the decoding update step
+against the full conv. The "triton" backend runs the Triton kernels (interpreter on CPU, fp32).
+"""
+
+import pytest
+import torch
+
+from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, reference_causal_conv1d
+from ttr.kernels.utils import interpreter_active
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
+    return request.param
+
+
+def rel_rms(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def run(fn, x, weight, bias, h0, *, upcast, **kw):
+    cast = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
+    leaves = [cast(t).requires_grad_() if t is not None else None for t in (x, weight, bias, h0)]
+    y, final = fn(leaves[0], leaves[1], leaves[2], initial_state=leaves[3], output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(1)
+    dy = torch.randn(y.shape, generator=gen).to(y)
+    dfinal = torch.randn(final.shape, generator=gen).to(final)
+    ((y * dy).sum() + (final * dfinal).sum()).backward()
+    return y, final, [t.grad if t is not None else None for t in leaves]
+
+
+def check(x, weight, bias=None, h0=None, tol=TOL, **kw):
+    y, final, grads = run(causal_conv1d, x, weight, bias, h0, upcast=False, **kw)
+    y_ref, final_ref, grads_ref = run(reference_causal_conv1d, x, weight, bias, h0, upcast=True, **kw)
+    assert y.dtype == x.dtype and final.dtype == x.dtype
+    assert torch.isfinite(y).all()
+    assert rel_rms(y, y_ref) < tol, f"y: {rel_rms(y, y_ref)}"
+    assert rel_rms(final, final_ref) < tol, f"final state: {rel_rms(final, final_ref)}"
+    for name, a, b in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == {"dx": x, "dweight": weight, "dbias": bias, "dinitial_state": h0}[name].dtype, name
+        assert torch.isfinite(a).all(), name
+        assert rel_rms(a, b) < tol, f"{name}: {rel_rms(a, b)}"
+
+
+def make(b, t, d, w, n=None, dtype=torch.float32):
+    x = torch.randn(b, t, d, device=DEVICE, dtype=dtype)
+    weight = torch.randn(d, w, device=DEVICE, dtype=dtype) / w**0.5
+    bias = torch.randn(d, device=DEVICE, dtype=dtype)
+    h0 = torch.randn(n or b, d, w - 1, device=DEVICE, dtype=dtype)
+    return x, weight, bias, h0
+
+
+@pytest.mark.parametrize("t", [1, 15, 64, 65, 200])
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_conv_silu_bias_states(backend, t, w):
+    x, weight, bias, h0 = make(2, t, 40, w)
+    check(x, weight, bias, h0, activation="silu")
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_conv_plain_no_state(backend, w):
+    x, weight, _, _ = make(2, 65, 24, w)
+    check(x, weight)
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("h0", [False, True])
+def test_conv_packed(backend, w, h0):
+    lens = [1, 3, 64, 0, 130]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
+    x, weight, bias, state = make(1, sum(lens), 33, w, n=len(lens))
+    check(x, weight, bias, state if h0 else None, activation="silu", cu_seqlens=cu)
+
+
+def test_packed_equals_separate(backend):
+    lens = [3, 64, 1, 50]
+    x, weight, bias, h0 = make(1, sum(lens), 16, 4, n=len(lens))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE)
+    y, final = causal_conv1d(
+        x, weight, bias, activation="silu", cu_seqlens=cu, initial_state=h0, output_final_state=True
+    )
+    for i, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        y_i, f_i = causal_conv1d(
+            x[:, a:e], weight, bias, activation="silu", initial_state=h0[i : i + 1], output_final_state=True
+        )
+        assert rel_rms(y[:, a:e], y_i) < TOL
+        assert torch.equal(final[i : i + 1], f_i)
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_update_matches_full_conv(backend, w):
+    x, weight, bias, h0 = make(3, 9, 20, w)
+    y_ref, final_ref = reference_causal_conv1d(
+        x, weight, bias, activation="silu", initial_state=h0, output_final_state=True
+    )
+    state, ys = h0.clone(), []
+    for i in range(x.shape[1]):
+        y_t, state = causal_conv1d_update(x[:, i], state, weight, bias, activation="silu")
+        ys.append(y_t)
+    assert rel_rms(torch.stack(ys, 1), y_ref) < TOL
+    assert torch.equal(state, final_ref)
+
+
+def test_update_does_not_modify_state(backend):
+    x, weight, _, h0 = make(2, 1, 8, 3)
+    kept = h0.clone()
+    causal_conv1d_update(x[:, 0], h0, weight)
+    assert torch.equal(h0, kept)
+
+
+def test_final_state_of_short_sequence_keeps_initial_state():
+    x, weight, _, h0 = make(1, 1, 4, 4)
+    _, final = causal_conv1d(x, weight, initial_state=h0, output_final_state=True)
+    assert torch.equal(final[0, :, :2], h0[0, :, 1:])
+    assert torch.equal(final[0, :, 2], x[0, 0])
+    _, final = causal_conv1d(x, weight, output_final_state=True)
+    assert torch.equal(final[0, :, :2], torch.zeros_like(final[0, :, :2]))
+
+
+def test_bad_inputs():
+    x, weight, bias, h0 = make(2, 5, 8, 3)
+    with pytest.raises(ValueError, match="W must be in 2..4"):
+        causal_conv1d(x, torch.randn(8, 5))
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d(x, torch.randn(7, 3))
+    with pytest.raises(ValueError, match="x must have shape"):
+        causal_conv1d(x[0], weight)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d(x, weight, activation="relu")
+    with pytest.raises(ValueError, match="initial_state"):
+        causal_conv1d(x, weight, initial_state=h0[:1])
+    with pytest.raises(ValueError, match="bias"):
+        causal_conv1d(x, weight, torch.randn(3))
+    with pytest.raises(ValueError, match="batch size 1"):
+        causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d_update(x[:, 0], h0[:, :, :1], weight)
+    with pytest.raises(TypeError, match="x"):
+        causal_conv1d(x.long(), weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w", [2, 4])
+def test_conv_gpu(monkeypatch, dtype, w):
+    """Triton at real sizes against the torch backend in float64 (itself checked against the oracle)."""
+    tol = 5e-3 if dtype == torch.float32 else 1e-2
+    lens = [1, 3, 1000, 4096, 2092]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
+    for kw, b in (({}, 2), ({"cu_seqlens": cu}, 1)):
+        x, weight, bias, h0 = make(b, sum(lens), 2048, w, n=b if not kw else len(lens), dtype=dtype)
+        monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+        y, final, grads = run(causal_conv1d, x, weight, bias, h0, upcast=False, activation="silu", **kw)
+        monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
+        y_ref, final_ref, grads_ref = run(
+            causal_conv1d, x, weight, bias, h0, upcast=True, activation="silu", **kw
+        )
+        assert rel_rms(y, y_ref) < tol
+        assert torch.equal(final.double(), final_ref)
+        for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
+            assert rel_rms(a, r) < tol, f"{name}: {rel_rms(a, r)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_gpu(monkeypatch, dtype):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, weight, bias, h0 = make(8, 5, 4096, 4, dtype=dtype)
+    y_ref, final_ref = causal_conv1d(
+        x, weight, bias, activation="silu", initial_state=h0, output_final_state=True
+    )
+    state, ys = h0, []
+    for i in range(x.shape[1]):
+        y_t, state = causal_conv1d_update(x[:, i], state, weight, bias, activation="silu")
+        ys.append(y_t)
+    assert rel_rms(torch.stack(ys, 1), y_ref) < (1e-2 if dtype != torch.float32 else 1e-5)
+    assert torch.equal(state, final_ref)
