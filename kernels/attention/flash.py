@@ -100,13 +100,20 @@ def _block_ranges(first, last, cs, ce, B: tl.constexpr):
 
 @triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
-               D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
     for j in tl.range(j_lo, j_hi):
         o_n = j * BN + tl.arange(0, BN)
-        m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
         p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
-        b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
-        b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        if MASK:
+            m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
+            b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        elif D == BD:  # whole blocks lie inside the sequence: no mask at all
+            b_k = tl.load(p_k + p_off)
+            b_v = tl.load(p_v + p_off)
+        else:
+            b_k = tl.load(p_k + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_v = tl.load(p_v + p_off, mask=o_d[None, :] < D, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BM, BN]
         if MASK:
             m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
@@ -152,11 +159,11 @@ def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
     # s + BN - 1 <= m0 (first row) and s >= m0 + BM - W (last row)
     j0, j_f0, j_f1, j1 = _block_ranges(tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, L), m0 + BM - W, m0 + 1, BN)
     b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j0, j_f0, L, W, stride_kt,
-                                 qk_scale, D, BN, True)
+                                 qk_scale, D, BD, BN, True)
     b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_f0, j_f1, L, W, stride_kt,
-                                 qk_scale, D, BN, False)
+                                 qk_scale, D, BD, BN, False)
     b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_f1, j1, L, W, stride_kt,
-                                 qk_scale, D, BN, True)
+                                 qk_scale, D, BD, BN, True)
 
     b_l = tl.where(b_l == 0.0, 1.0, b_l)  # rows past the sequence end only
     b_o = b_acc / b_l[:, None]
@@ -181,16 +188,26 @@ def attn_bwd_delta_kernel(o, do, delta, T_total, HQ: tl.constexpr, D: tl.constex
 
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo, j_hi, L, W, stride_qt,
-                qk_scale, D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr):
+                qk_scale, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr):
     for j in tl.range(j_lo, j_hi):
         o_m = j * BM + tl.arange(0, BM)
         m_t = o_m < L
-        m_q = m_t[:, None] & (o_d[None, :] < D)
         p_off = o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :]
-        b_q = tl.load(p_q + p_off, mask=m_q, other=0.0)  # [BM, BD]
-        b_do = tl.load(p_do + p_off, mask=m_q, other=0.0)  # [BM, BD]
-        b_lse = tl.load(p_lse + o_m, mask=m_t, other=0.0)  # [BM]
-        b_delta = tl.load(p_delta + o_m, mask=m_t, other=0.0)  # [BM]
+        if MASK:
+            m_q = m_t[:, None] & (o_d[None, :] < D)
+            b_q = tl.load(p_q + p_off, mask=m_q, other=0.0)  # [BM, BD]
+            b_do = tl.load(p_do + p_off, mask=m_q, other=0.0)  # [BM, BD]
+            b_lse = tl.load(p_lse + o_m, mask=m_t, other=0.0)  # [BM]
+            b_delta = tl.load(p_delta + o_m, mask=m_t, other=0.0)  # [BM]
+        else:  # whole blocks lie inside the sequence
+            if D == BD:
+                b_q = tl.load(p_q + p_off)
+                b_do = tl.load(p_do + p_off)
+            else:
+                b_q = tl.load(p_q + p_off, mask=o_d[None, :] < D, other=0.0)
+                b_do = tl.load(p_do + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_lse = tl.load(p_lse + o_m)
+            b_delta = tl.load(p_delta + o_m)
         b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
         if MASK:
             m_s = (o_n[:, None] <= o_m[None, :]) & (o_n[:, None] > o_m[None, :] - W) & m_t[None, :]
@@ -209,7 +226,7 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W
                          BM: tl.constexpr, BN: tl.constexpr):
     i_j = tl.program_id(0)
     i_nh = tl.program_id(1)
-    HK: tl.constexpr = HQ // G
+    HK = HQ // G
     i_n, i_hk = i_nh // HK, i_nh % HK
     bos = tl.load(cu_seqlens + i_n).to(tl.int32)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
@@ -237,24 +254,31 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W
         p_lse = lse + i_hq.to(tl.int64) * T_total + bos
         p_delta = delta + i_hq.to(tl.int64) * T_total + bos
         b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j0, j_f0, L, W,
-                                 stride_qt, qk_scale, D, BM, True)
+                                 stride_qt, qk_scale, D, BD, BM, True)
         b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_f0, j_f1, L, W,
-                                 stride_qt, qk_scale, D, BM, False)
+                                 stride_qt, qk_scale, D, BD, BM, False)
         b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_f1, j1, L, W,
-                                 stride_qt, qk_scale, D, BM, True)
+                                 stride_qt, qk_scale, D, BD, BM, True)
     tl.store(dk + p_off, (b_dk * scale).to(dk.dtype.element_ty), mask=m_k)
     tl.store(dv + p_off, b_dv.to(dv.dtype.element_ty), mask=m_k)
 
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
-              D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+              D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
     for j in tl.range(j_lo, j_hi):
         o_n = j * BN + tl.arange(0, BN)
-        m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
         p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
-        b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
-        b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        if MASK:
+            m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
+            b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+        elif D == BD:  # whole blocks lie inside the sequence: no mask at all
+            b_k = tl.load(p_k + p_off)
+            b_v = tl.load(p_v + p_off)
+        else:
+            b_k = tl.load(p_k + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_v = tl.load(p_v + p_off, mask=o_d[None, :] < D, other=0.0)
         b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
         if MASK:
             m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
@@ -295,11 +319,11 @@ def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_s
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     j0, j_f0, j_f1, j1 = _block_ranges(tl.maximum(m0 - W + 1, 0), tl.minimum(m0 + BM, L), m0 + BM - W, m0 + 1, BN)
     b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j0, j_f0, L, W, stride_kt, qk_scale,
-                     D, BN, True)
+                     D, BD, BN, True)
     b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_f0, j_f1, L, W, stride_kt, qk_scale,
-                     D, BN, False)
+                     D, BD, BN, False)
     b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_f1, j1, L, W, stride_kt, qk_scale,
-                     D, BN, True)
+                     D, BD, BN, True)
     tl.store(dq + p_off, (b_dq * scale).to(dq.dtype.element_ty), mask=m_q)
 
 

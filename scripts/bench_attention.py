@@ -1,0 +1,167 @@
+"""Benchmark sliding-window and full causal attention on one GPU.
+
+Rows (bf16, H heads of D, ``tokens`` per batch, so B = tokens / T):
+  swa   ttr Triton kernel | SDPA with an explicit boolean band mask | flex_attention (compiled)
+        with a sliding-window block mask (built once, outside the timing)
+  full  ttr Triton kernel (window None) | SDPA is_causal (flash backend)
+Columns: median ms of the forward and of forward+backward, and the peak memory of one
+forward+backward above the inputs (MiB). A backend that fails prints its row with the error and
+the run goes on.
+
+    python -m ttr.scripts.bench_attention                # the issue's table
+    python -m ttr.scripts.bench_attention --seqlens 4096 --window 1024 --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.attention import attention
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens // T)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def time_ms(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(forward, inputs, reps, warmup):
+    """(fwd ms, fwd+bwd ms, peak MiB) of ``forward(*inputs)``."""
+    do = torch.randn_like(forward(*inputs))
+
+    def fwd():
+        with torch.no_grad():
+            forward(*inputs)
+
+    def fwd_bwd():
+        torch.autograd.grad(forward(*inputs), inputs, do)
+
+    fwd_bwd()  # compile / autotune before any timing
+    return time_ms(fwd, reps, warmup), time_ms(fwd_bwd, reps, warmup), peak_mib(fwd_bwd)
+
+
+def backends(kind, t, window, scale):
+    """(name, layout, build) per row; ``build()`` returns the forward (built inside the row's try,
+    so a missing flex_attention or an OOM on the mask becomes that row's error). Layout "bthd" is
+    ttr's ``[B, T, H, D]``, "bhtd" torch's ``[B, H, T, D]``."""
+    if kind == "full":
+        return [
+            ("ttr", "bthd", lambda: lambda q, k, v: attention(q, k, v, scale=scale)),
+            ("sdpa causal (flash)", "bhtd", lambda: sdpa_flash_causal(scale)),
+        ]
+    return [
+        ("ttr", "bthd", lambda: lambda q, k, v: attention(q, k, v, window=window, scale=scale)),
+        ("sdpa + mask", "bhtd", lambda: sdpa_masked(t, window, scale)),
+        ("flex_attention", "bhtd", lambda: flex_swa(t, window, scale)),
+    ]
+
+
+def sdpa_flash_causal(scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def forward(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    return forward
+
+
+def sdpa_masked(t, window, scale):
+    o_t = torch.arange(t, device="cuda")
+    diff = o_t[:, None] - o_t[None, :]
+    mask = (diff >= 0) & (diff < window)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def flex_swa(t, window, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    block_mask = create_block_mask(band, B=None, H=None, Q_LEN=t, KV_LEN=t, device="cuda")
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    import triton
+
+    dtype = getattr(torch, args.dtype)
+    h, d = args.heads, args.head_dim
+    scale = d**-0.5
+    print(f"# attention: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"commit {commit()}, {args.dtype}, H={h}, D={d}, {args.tokens} tokens/batch, window {args.window}, "
+          f"median of {args.reps}")
+    print("| mask | T | B | backend | fwd ms | fwd+bwd ms | peak MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in ("swa", "full"):
+        for t in args.seqlens:
+            b = max(1, args.tokens // t)
+            for name, layout, build in backends(kind, t, args.window, scale):
+                row = f"| {kind} | {t} | {b} | {name} |"
+                inputs = None
+                try:
+                    shape = (b, t, h, d) if layout == "bthd" else (b, h, t, d)
+                    inputs = [torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+                    fwd, fwd_bwd, mem = measure(build(), inputs, args.reps, args.warmup)
+                    print(f"{row} {fwd:.3f} | {fwd_bwd:.3f} | {mem:.0f} |", flush=True)
+                except Exception as err:  # report the failing backend and keep going
+                    msg = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                    print(f"{row} error | {msg} | |", flush=True)
+                del inputs
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
