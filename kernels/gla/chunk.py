@@ -1,11 +1,65 @@
-"""Public chunkwise GLA (``chunk_gla``): validation and backend dispatch."""
+"""Chunkwise GLA in Triton: the engine's stages composed (``ttr.kernels.common``).
+
+Forward (chunk size 64): ``G = chunk_local_cumsum(g)``; states ``h`` by ``state.state_fwd`` with
+the per-key gate ``gk = G``; intra-chunk scores ``A`` by ``intra_vector_gate.vector_gate_scores``
+(sub-chunks of 16 with a reference point at the sub-chunk boundary, element-wise diagonal
+blocks: no exponent is ever positive, see that module); ``o = scale (q ⊙ exp(G)) h + A v``.
+
+Backward: ``dv = A^T do`` completed by ``state.state_bwd`` (which also yields ``dh`` and
+``dh0``); ``dA = scale tril(do v^T)`` gives the intra parts of dq and dk; the inter parts and the
+gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the state-update terms at the
+chunk's last row) come from ``vector_gate_bwd_dqkg``. The states ``h`` are recomputed in the
+backward instead of kept (memory); ``A`` is kept.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ttr.kernels.common.cumsum import chunk_local_cumsum
+from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.intra_vector_gate import (
+    vector_gate_bwd_dqkg,
+    vector_gate_dA,
+    vector_gate_dv,
+    vector_gate_intra_bwd,
+    vector_gate_output,
+    vector_gate_scores,
+)
+from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.gla.reference import check_gla_inputs, chunked
 from ttr.kernels.utils import kernel_backend
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
+        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
+        gk = chunk_local_cumsum(g, plan)
+        h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
+                                output_final_state=output_final_state)
+        A = vector_gate_scores(q, k, gk, plan, scale=scale)
+        o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
+        ctx.save_for_backward(q, k, v, g, A, initial_state)
+        ctx.plan, ctx.scale = plan, scale
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, A, initial_state = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        do = do.contiguous()
+        gk = chunk_local_cumsum(g, plan)
+        h, _, _ = state_fwd(k, v, plan, gk=gk, initial_state=initial_state)
+        dv_intra = vector_gate_dv(A, do, plan)
+        dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
+                                dht=None if dht is None else dht.contiguous(),
+                                need_dh0=initial_state is not None)
+        dA = vector_gate_dA(v, do, plan, scale=scale)
+        dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
+        dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dq_intra, dk_intra, plan, scale=scale)
+        return dq, dk, dv.to(v.dtype), dg, dh0, None, None, None
 
 
 def chunk_gla(
@@ -30,10 +84,12 @@ def chunk_gla(
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
 
     Returns:
-        ``(o [B, T, H, V] in v's dtype, final_state or None)``.
+        ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g
+        and initial_state.
     """
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    kernel_backend(q)
-    return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64:
+        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)

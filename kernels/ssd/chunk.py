@@ -1,17 +1,68 @@
-"""Public chunkwise simple GLA and Mamba2 SSD: validation and backend dispatch."""
+"""Chunkwise simple GLA and Mamba2 SSD in Triton: the engine's stages with a scalar gate.
+
+Forward (chunk size 64, ``ttr.kernels.common``): ``G = chunk_local_cumsum(g)``; states by
+``state.state_fwd(k, v, g=G)``; ``o = scale (q ⊙ exp(G)) h + scale (q k^T ⊙ causal ⊙ Γ) v`` by
+``output.output_fwd``, ``Γ_ij = exp(G_i - G_j)`` formed as a masked difference (exponent <= 0).
+
+Backward: ``dv = output_bwd_dv + (k ⊙ exp(G_last - G)) dh`` (``state.state_bwd``, which also gives
+``dh`` and ``dh0``); dq, dk and the cumulative-gate gradient ``dG`` from ``output.output_bwd_dqk``:
+
+    dG_i = q_i·dq_i - k_i·dk_i  (every path through exp(G_i - G_j), exp(G_i) and exp(G_last - G_i))
+    dG_last += exp(G_last) <h, dh> + sum_j k_j·dk_j^state    (h' = exp(G_last) h + ...)
+
+and since ``G_t = sum_{s <= t in chunk} g_s``, ``dg_t = sum_{s >= t in chunk} dG_s``: the reverse
+chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
+
+``chunk_ssd`` maps Mamba2's inputs onto simple GLA (``q = C, k = B, v = x dt, g = A dt``, groups
+repeated over heads) with torch ops, so dx, ddt, dA, dB, dC (group sums) follow by autograd.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ttr.kernels.common.cumsum import chunk_local_cumsum
+from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.gla.reference import check_gla_inputs, chunked
 from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
 from ttr.kernels.utils import kernel_backend
 
 
+class ChunkSimpleGLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
+        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
+        gc = chunk_local_cumsum(g, plan)
+        h, _, final = state_fwd(k, v, plan, g=gc, initial_state=initial_state,
+                                output_final_state=output_final_state)
+        o = output_fwd(q, k, v, h, plan, scale=scale, g=gc)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.plan, ctx.scale = plan, scale
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, initial_state = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        do = do.contiguous()
+        gc = chunk_local_cumsum(g, plan)
+        h, _, _ = state_fwd(k, v, plan, g=gc, initial_state=initial_state)
+        dv_intra = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+        dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, g=gc,
+                                dht=None if dht is None else dht.contiguous(),
+                                need_dh0=initial_state is not None)
+        dq, dk, _, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc)
+        dg = chunk_local_cumsum(dgc, plan, reverse=True)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dg, dh0, None, None, None
+
+
 def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    kernel_backend(q)
-    return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64:
+        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 
 
 def chunk_simple_gla(
