@@ -1,0 +1,121 @@
+"""RMSNorm and gated RMSNorm: every backend against the float64 oracle (outputs, dx, dz, dweight).
+
+Odd D, leading dims of any rank, mixed dtypes (fp32 weight with lower-precision x). The "triton"
+backend runs the Triton kernels (interpreter on CPU, fp32).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.norm import gated_rms_norm, reference_gated_rms_norm, reference_rms_norm, rms_norm
+from ttr.kernels.utils import interpreter_active
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
+    return request.param
+
+
+def rel_rms(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def run(fn, args, dy, upcast, **kw):
+    leaves = [(a.detach().double() if upcast else a.detach().clone()).requires_grad_() for a in args]
+    y = fn(*leaves, **kw)
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    return y, grads
+
+
+def check(fn, ref, args, tol=TOL, **kw):
+    dy = torch.randn(args[0].shape, device=args[0].device, dtype=torch.float64)
+    y, grads = run(fn, args, dy, upcast=False, **kw)
+    y_ref, grads_ref = run(ref, args, dy, upcast=True, **kw)
+    assert y.dtype == args[0].dtype and y.shape == args[0].shape
+    assert rel_rms(y, y_ref) < tol, f"y: {rel_rms(y, y_ref)}"
+    for i, (g, r, a) in enumerate(zip(grads, grads_ref, args)):
+        assert g.dtype == a.dtype and g.shape == a.shape
+        assert torch.isfinite(g).all()
+        assert rel_rms(g, r) < tol, f"grad {i}: {rel_rms(g, r)}"
+
+
+@pytest.mark.parametrize("shape", [(48,), (3, 100), (2, 5, 48), (2, 3, 4, 33), (1, 3), (2, 512)])
+def test_rms_norm(backend, shape):
+    x = torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    check(rms_norm, reference_rms_norm, (x, w), eps=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(48,), (3, 100), (2, 5, 48), (2, 3, 4, 33), (1, 3), (2, 512)])
+def test_gated_rms_norm(backend, shape):
+    x = torch.randn(*shape, device=DEVICE)
+    z = 2 * torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), eps=1e-6)
+
+
+def test_many_rows_weight_grad(backend):
+    """More rows than backward programs: each program reduces a range of rows into its dw partial."""
+    x = torch.randn(37, 24, device=DEVICE)
+    z = torch.randn(37, 24, device=DEVICE)
+    w = torch.randn(24, device=DEVICE)
+    check(gated_rms_norm, reference_gated_rms_norm, (x, z, w))
+
+
+def test_matches_torch_rms_norm():
+    x = torch.randn(4, 7, 100)
+    w = torch.randn(100)
+    want = F.rms_norm(x.double(), (100,), w.double(), eps=1e-6)
+    assert rel_rms(reference_rms_norm(x.double(), w.double(), eps=1e-6), want) < 1e-12
+    assert rel_rms(rms_norm(x, w, eps=1e-6), want) < TOL
+
+
+def test_low_precision_input_fp32_weight(backend):
+    x = torch.randn(6, 64, device=DEVICE, dtype=torch.float16)
+    z = torch.randn(6, 64, device=DEVICE, dtype=torch.float16)
+    w = torch.randn(64, device=DEVICE)
+    y = gated_rms_norm(x, z, w)
+    assert y.dtype == torch.float16
+    assert rel_rms(y, reference_gated_rms_norm(x.double(), z.double(), w.double())) < 2e-3
+
+
+def test_bad_inputs():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.randn(7))
+    with pytest.raises(ValueError, match="z"):
+        gated_rms_norm(x, torch.randn(3, 7), torch.randn(8))
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, torch.randn(8), eps=-1.0)
+    with pytest.raises(ValueError, match="8192"):
+        rms_norm(torch.randn(2, 8193), torch.randn(8193))
+    with pytest.raises(TypeError, match="x"):
+        rms_norm(x.long(), torch.randn(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [128, 2048, 4096, 8192, 1000])
+def test_norms_gpu(monkeypatch, dtype, d):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    x = torch.randn(4, 2048, d, device=DEVICE, dtype=dtype)
+    z = torch.randn(4, 2048, d, device=DEVICE, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
+    check(rms_norm, reference_rms_norm, (x, w), tol=tol)
+    check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), tol=tol)
