@@ -49,7 +49,7 @@ def _rms_norm_fwd_kernel(x, z, w, y, rstd, D, eps, HAS_Z: tl.constexpr, BD: tl.c
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, dx, dz, dw, R, D, ROWS: tl.constexpr, HAS_Z: tl.constexpr, BD: tl.constexpr
+    x, z, w, dy, rstd, dx, dz, dw, R, D, ROWS, HAS_Z: tl.constexpr, BD: tl.constexpr
 ):
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
