@@ -75,7 +75,9 @@ class Encoder:
         self.source, self.tokenizer = source, tokenizer
         self.pool = None
         if num_workers > 0:
-            ctx = mp.get_context("spawn")
+            # fork like torch's DataLoader (the workers only tokenise; spawn would re-import torch
+            # and transformers in each worker, seconds of start-up), spawn where fork is missing
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
             self.pool = ctx.Pool(num_workers, initializer=_worker_init, initargs=(source, tokenizer))
 
     def map(self, items: Iterator) -> Iterator[np.ndarray]:
