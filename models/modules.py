@@ -46,13 +46,51 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLUProduct.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class _SwiGLUProduct(torch.autograd.Function):
+    """``silu(gate) * up`` saving only the two inputs (autograd would also keep ``silu(gate)``,
+    a third [tokens, intermediate] activation per block)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        cdt = torch.promote_types(gate.dtype, torch.float32)
+        g, u, d = gate.to(cdt), up.to(cdt), dy.to(cdt)
+        sig = torch.sigmoid(g)
+        dgate = d * u * sig * (1 + g * (1 - sig))
+        return dgate.to(gate.dtype), (d * g * sig).to(up.dtype)
+
+
+class _L2Normalize(torch.autograd.Function):
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, computed in (at least) fp32; saves the output
+    (in x's dtype) and ``1/norm`` only."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+        y = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd = ctx.saved_tensors
+        yf, dyf = y.to(rstd.dtype), dy.to(rstd.dtype)
+        dx = rstd * (dyf - yf * (dyf * yf).sum(-1, keepdim=True))
+        return dx.to(y.dtype), None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """L2-normalise the last dim in fp32 (DeltaNet's q/k normalisation, Yang et al. 2024, arXiv:2406.06484)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+    """L2-normalise the last dim (DeltaNet's q/k normalisation, Yang et al. 2024, arXiv:2406.06484)."""
+    return _L2Normalize.apply(x, eps)
 
 
 def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
