@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU checks on the lent H200 (run through the device tool from the repository root):
+#   bash scripts/device_check.sh tests [PYTEST_ARGS...]   -> pytest -m gpu, log in $OUT/gpu_tests.log
+#   bash scripts/device_check.sh bench MODULE [ARGS...]   -> python -m MODULE ARGS, log in $OUT/<module>.log
+# Makes `import ttr` resolve to this checkout without installing it, and installs the carried
+# wheels in .whl (fla 0.6.0 for the side-by-side benchmarks) into /tmp/site.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ttr_out}
+mkdir -p "$OUT" /tmp/ttr_pkg
+ln -sfn "$PWD" /tmp/ttr_pkg/ttr
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/ttr_pkg:/tmp/site
+mode=${1:-tests}; shift || true
+case "$mode" in
+  tests)
+    python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
+    ;;
+  bench)
+    mod=$1; shift
+    python3 -m "$mod" "$@" 2>&1 | tee -a "$OUT/${mod##*.}.log"
+    ;;
+  *) echo "usage: $0 tests|bench ..." >&2; exit 2 ;;
+esac
