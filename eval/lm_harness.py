@@ -98,13 +98,15 @@ def evaluate(
     log_samples: bool = False,
     bootstrap_iters: int = 0,
     seed: int = 1234,
+    dtype: str = "float32",
+    device: str | None = None,
 ) -> dict:
     """Run lm-eval ``tasks`` on ``model`` (a loaded model or a checkpoint directory).
 
     This is the call the trainer makes for in-loop evaluation: the model stays where it is
     (device, dtype) and is put back in its previous train/eval mode afterwards. Returns lm-eval's
     result dict (``results``, ``configs``, ``versions``, ... and ``samples`` with
-    ``log_samples``).
+    ``log_samples``). ``dtype`` and ``device`` apply when ``model`` is a directory.
     """
     if isinstance(tasks, str):
         tasks = [t for t in tasks.split(",") if t]
@@ -118,7 +120,9 @@ def evaluate(
         include_path = [os.fspath(p) for p in paths]
     was_training = getattr(model, "training", False)
     try:
-        lm = TTRLM(model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+        lm = TTRLM(
+            model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, dtype=dtype, device=device
+        )
         results = simple_evaluate(
             model=lm,
             tasks=list(tasks),

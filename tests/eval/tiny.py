@@ -32,24 +32,25 @@ def make_tokenizer():
     )
 
 
-def make_model(tokenizer, *, context: int = 64, hidden: int = 32):
-    """A tiny randomly initialised causal LM whose config records ``context`` as its training length."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_model(tokenizer, *, context: int = 64, hidden: int = 32, layer_types=("gated_deltanet", "swa")):
+    """A tiny randomly initialised ttr model whose config records ``context`` as its training length."""
+    from ttr.models import TTRConfig, TTRForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = TTRConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_heads=2,
+        window_size=8,
         max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = TTRForCausalLM(config).eval()
     # random init is near-uniform; sharpen it so greedy decoding and choices are not ties
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)

@@ -1,0 +1,247 @@
+"""Multi-query associative recall (MQAR), following the Zoology protocol (Arora et al. 2023,
+arXiv:2312.04927), fully offline.
+
+An example of length ``L`` with ``N`` key-value pairs starts with ``k_1 v_1 ... k_N v_N`` (keys drawn
+without replacement from the first half of the vocabulary, ``1 .. V/2 - 1``, values from the
+second, ``V/2 .. V - 1``); every key is then queried exactly once, at positions
+``2N + 2 g`` whose gaps ``g`` follow the power law ``p(g) ~ g^(a - 1)`` (a = 0.01, so most
+queries come soon after the context and a few far away). The label of a query position is the
+value bound to its key; every other position is unlabelled (-100). Positions that are neither
+context nor query hold random tokens. Labels are already shifted: ``labels[t]`` is what the model
+must predict after reading ``inputs[..t]``.
+
+The benchmark trains a 2-layer model (short conv, then the mixer; no MLP) on the mixture
+``TRAIN_CONFIGS`` with AdamW for each learning rate of a sweep, and reports the accuracy on
+``TEST_CONFIGS`` pooled over all queries (Zoology's ``valid/accuracy``) and per configuration,
+for the best learning rate.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ttr.eval.synthetic import accuracy, build_model, job_device, state_size, train
+
+VOCAB_SIZE = 8192
+POWER_A = 0.01
+
+
+@dataclass(frozen=True)
+class MQARConfig:
+    seq_len: int
+    num_kv_pairs: int
+    num_examples: int
+
+    def __str__(self) -> str:
+        return f"({self.seq_len},{self.num_kv_pairs})"
+
+
+TRAIN_CONFIGS = (
+    MQARConfig(64, 4, 100_000),
+    MQARConfig(128, 8, 20_000),
+    MQARConfig(256, 16, 20_000),
+    MQARConfig(256, 32, 20_000),
+    MQARConfig(256, 64, 20_000),
+)
+TEST_CONFIGS = (
+    MQARConfig(64, 4, 1_000),
+    MQARConfig(64, 8, 1_000),
+    MQARConfig(64, 16, 1_000),
+    MQARConfig(128, 32, 1_000),
+    MQARConfig(256, 64, 1_000),
+    MQARConfig(512, 128, 1_000),
+    MQARConfig(1024, 256, 1_000),
+)
+
+
+def parse_configs(text: str) -> tuple[MQARConfig, ...]:
+    """``"64:4:100000,128:8:20000"`` (seq_len:num_kv_pairs:num_examples) -> configs."""
+    configs = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"configs: expected seq_len:num_kv_pairs:num_examples items, got {item!r}")
+        configs.append(MQARConfig(*map(int, parts)))
+    return tuple(configs)
+
+
+def generate_mqar(
+    num_examples: int,
+    seq_len: int,
+    num_kv_pairs: int,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    power_a: float = POWER_A,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR examples as ``(inputs [num_examples, seq_len], labels [num_examples, seq_len])`` int64."""
+    key_vocab = vocab_size // 2
+    if num_examples < 1:
+        raise ValueError(f"num_examples: expected >= 1, got {num_examples}")
+    if num_kv_pairs < 1 or 4 * num_kv_pairs > seq_len:
+        raise ValueError(f"num_kv_pairs: expected 1 <= num_kv_pairs <= seq_len / 4 = {seq_len // 4}, got {num_kv_pairs}")
+    if num_kv_pairs > key_vocab - 1:
+        raise ValueError(f"vocab_size: {vocab_size} has only {key_vocab - 1} keys for {num_kv_pairs} pairs")
+    if not 0 < power_a <= 1:
+        raise ValueError(f"power_a: expected in (0, 1], got {power_a}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    context = 2 * num_kv_pairs
+    space = (seq_len - context) // 2
+    gap_p = power_a * torch.arange(1, space + 1, device=device, dtype=torch.float64) ** (power_a - 1)
+    inputs, labels = [], []
+    chunk = max(1, 2**24 // max(key_vocab, space))  # bound the [rows, vocab] sampling weights
+    for start in range(0, num_examples, chunk):
+        n = min(chunk, num_examples - start)
+        keys = torch.multinomial(torch.ones(n, key_vocab - 1, device=device), num_kv_pairs, generator=gen) + 1
+        values = (
+            torch.multinomial(torch.ones(n, vocab_size - key_vocab, device=device), num_kv_pairs, generator=gen)
+            + key_vocab
+        )
+        gaps = torch.multinomial(gap_p.expand(n, space), num_kv_pairs, generator=gen)
+        x = torch.randint(vocab_size, (n, seq_len), generator=gen, device=device)
+        x[:, 0:context:2] = keys
+        x[:, 1:context:2] = values
+        query_pos = context + 2 * gaps
+        x.scatter_(1, query_pos, keys)
+        y = torch.full((n, seq_len), -100, dtype=torch.long, device=device)
+        y.scatter_(1, query_pos, values)
+        inputs.append(x)
+        labels.append(y)
+    return torch.cat(inputs), torch.cat(labels)
+
+
+class MixtureBatches:
+    """Epochs over a fixed training set: each batch comes from one configuration (one length), the
+    order of batches is shuffled across configurations, as many epochs as asked for."""
+
+    def __init__(self, data: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+        self.data = data
+        self.batch_size = batch_size
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.queue: list[tuple[int, torch.Tensor]] = []
+
+    def batches_per_epoch(self) -> int:
+        return sum(max(1, x.shape[0] // self.batch_size) for x, _ in self.data)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.queue:
+            for i, (x, _) in enumerate(self.data):
+                perm = torch.randperm(x.shape[0], generator=self.gen)
+                n = max(1, x.shape[0] // self.batch_size)
+                self.queue.extend((i, perm[j * self.batch_size : (j + 1) * self.batch_size]) for j in range(n))
+            self.rng.shuffle(self.queue)
+        i, idx = self.queue.pop()
+        x, y = self.data[i]
+        idx = idx.to(x.device)
+        return x[idx], y[idx]
+
+
+def run_job(job: dict) -> dict:
+    """Train one (mixer, d_model, lr) model and evaluate it; ``job`` is a dict of plain values so
+    that it can cross a process boundary. Returns the job plus its results."""
+    device = torch.device(job_device(job.get("index", 0), job.get("device")))
+    torch.manual_seed(job["seed"])
+    vocab = job["vocab_size"]
+    train_data = [
+        generate_mqar(c.num_examples, c.seq_len, c.num_kv_pairs, vocab_size=vocab, seed=job["seed"] + i, device=device)
+        for i, c in enumerate(job["train_configs"])
+    ]
+    test_data = [
+        generate_mqar(
+            c.num_examples, c.seq_len, c.num_kv_pairs, vocab_size=vocab, seed=10_000 + job["seed"] + i, device=device
+        )
+        for i, c in enumerate(job["test_configs"])
+    ]
+    max_len = max(c.seq_len for c in (*job["train_configs"], *job["test_configs"]))
+    model = build_model(
+        job["mixer"],
+        vocab_size=vocab,
+        d_model=job["d_model"],
+        num_layers=2,
+        intermediate_size=0,
+        num_heads=job["num_heads"],
+        context=max_len,
+        **job.get("overrides", {}),
+    ).to(device)
+    batches = MixtureBatches(train_data, job["batch_size"], seed=job["seed"])
+    steps = job["steps"] or job["epochs"] * batches.batches_per_epoch()
+    amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
+    start = time.perf_counter()
+    losses = train(model, batches, steps=steps, lr=job["lr"], amp_dtype=amp)
+    correct = total = 0
+    per_config = {}
+    for c, (x, y) in zip(job["test_configs"], test_data):
+        acc = accuracy(model, x, y, batch_size=job["eval_batch_size"], amp_dtype=amp)
+        per_config[str(c)] = acc
+        queries = int((y != -100).sum())
+        correct += acc * queries
+        total += queries
+    return {
+        **{k: v for k, v in job.items() if k not in ("train_configs", "test_configs")},
+        "steps": steps,
+        "final_loss": losses[-1],
+        "accuracy": correct / total,
+        "per_config": per_config,
+        "state_size": state_size(model.config, max(c.seq_len for c in job["test_configs"])),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def best_by_label(results: list[dict]) -> dict[str, dict]:
+    """For every model label (mixer, d_model, overrides) the result with the best learning rate."""
+    best: dict[str, dict] = {}
+    for r in results:
+        if r["label"] not in best or r["accuracy"] > best[r["label"]]["accuracy"]:
+            best[r["label"]] = r
+    return best
+
+
+def markdown_table(results: list[dict]) -> str:
+    """All runs, one row per (model, lr), best lr of each model in bold."""
+    configs = list(results[0]["per_config"])
+    best = {id(r) for r in best_by_label(results).values()}
+    head = ["model", "lr", "state size", "steps", "accuracy", *configs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(results, key=lambda r: (r["label"], r["lr"])):
+        acc = f"**{r['accuracy']:.4f}**" if id(r) in best else f"{r['accuracy']:.4f}"
+        cells = [r["label"], f"{r['lr']:.2e}", str(r["state_size"]), str(r["steps"]), acc]
+        cells += [f"{r['per_config'][c]:.3f}" for c in configs]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Accuracy (best lr) against state size, one series per mixer, PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[str, list[tuple[int, float, str]]] = {}
+    for r in best_by_label(results).values():
+        series.setdefault(r["mixer"], []).append((r["state_size"], r["accuracy"], r["label"]))
+    for mixer, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mixer)
+    ax.set_xscale("log")
+    ax.set_xlabel("state size (elements, summed over layers)")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,195 @@
+"""State-tracking tasks in the style of Deletang et al. 2023 ("Neural Networks and the Chomsky
+Hierarchy", arXiv:2207.02098), for the comparison of Grazzi et al. 2024 ("Unlocking State-Tracking
+in Linear RNNs Through Negative Eigenvalues", arXiv:2411.12537): a delta rule with beta in (0, 2)
+has transitions with negative eigenvalues and can solve parity at any length, with beta in (0, 1)
+it cannot.
+
+Tasks (one shared vocabulary: digits ``0 .. MOD - 1``, then ``+ - * ( ) =`` and a pad token):
+
+* ``parity``: a random bit string; the label at every position is the parity of the prefix.
+* ``modular_arithmetic``: ``d op d op ... d`` with ``op`` in ``+ - *`` evaluated left to right
+  modulo ``MOD`` (a regular language: the state is the running value); the label at every digit
+  is the running value.
+* ``modular_arithmetic_brackets``: a random expression tree rendered with brackets around every
+  compound operand, followed by ``=``; the only label, at ``=``, is its value modulo ``MOD``
+  (context-free in Deletang et al.'s hierarchy).
+
+Training supervises every labelled position of sequences of length ``train_min .. train_max``.
+Evaluation scores only the **final** answer of sequences of exactly length ``L`` for each ``L``
+of ``eval_lengths`` (most of them longer than anything seen in training).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from ttr.eval.synthetic import accuracy, build_model, job_device, train
+
+MOD = 5
+PLUS, MINUS, TIMES, OPEN, CLOSE, EQUALS, PAD = range(MOD, MOD + 7)
+VOCAB_SIZE = PAD + 1
+TASKS = ("parity", "modular_arithmetic", "modular_arithmetic_brackets")
+CHANCE = {"parity": 0.5, "modular_arithmetic": 1 / MOD, "modular_arithmetic_brackets": 1 / MOD}
+OPS = (PLUS, MINUS, TIMES)
+
+
+def _apply(op: int, a: int, b: int) -> int:
+    if op == PLUS:
+        return (a + b) % MOD
+    if op == MINUS:
+        return (a - b) % MOD
+    return (a * b) % MOD
+
+
+def parity_example(length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    bits = [rng.randrange(2) for _ in range(length)]
+    labels, acc = [], 0
+    for b in bits:
+        acc ^= b
+        labels.append(acc)
+    return bits, labels
+
+
+def modular_example(length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """``length`` is rounded down to an odd number of tokens (digit, op, digit, ...)."""
+    n_digits = (length + 1) // 2
+    value = rng.randrange(MOD)
+    tokens, labels = [value], [value]
+    for _ in range(n_digits - 1):
+        op, d = rng.choice(OPS), rng.randrange(MOD)
+        value = _apply(op, value, d)
+        tokens += [op, d]
+        labels += [-100, value]
+    return tokens, labels
+
+
+def _expression(n_leaves: int, rng: random.Random) -> tuple[list[int], int]:
+    if n_leaves == 1:
+        d = rng.randrange(MOD)
+        return [d], d
+    left_n = rng.randrange(1, n_leaves)
+    left, a = _expression(left_n, rng)
+    right, b = _expression(n_leaves - left_n, rng)
+    op = rng.choice(OPS)
+    if left_n > 1:
+        left = [OPEN, *left, CLOSE]
+    if n_leaves - left_n > 1:
+        right = [OPEN, *right, CLOSE]
+    return [*left, op, *right], _apply(op, a, b)
+
+
+def brackets_example(length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """An expression of at most ``length`` tokens (``=`` included) and as close to it as sampled."""
+    if length < 2:
+        raise ValueError(f"length: modular_arithmetic_brackets needs >= 2 tokens, got {length}")
+    best: tuple[list[int], int] | None = None
+    n_leaves = max(1, length // 3)
+    while best is None:
+        for _ in range(8):
+            tokens, value = _expression(n_leaves, rng)
+            if len(tokens) + 1 <= length and (best is None or len(tokens) > len(best[0])):
+                best = (tokens, value)
+        n_leaves = max(1, n_leaves - 1)
+    tokens, value = best
+    return [*tokens, EQUALS], [-100] * len(tokens) + [value]
+
+
+EXAMPLES = {"parity": parity_example, "modular_arithmetic": modular_example, "modular_arithmetic_brackets": brackets_example}
+
+
+def make_batch(
+    task: str, lengths: list[int], rng: random.Random, *, final_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(inputs, labels)`` for one example per entry of ``lengths``; with
+    ``final_only`` every label except the last real position's is dropped."""
+    if task not in EXAMPLES:
+        raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+    examples = [EXAMPLES[task](n, rng) for n in lengths]
+    width = max(len(t) for t, _ in examples)
+    inputs = torch.full((len(examples), width), PAD, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, (t, y) in enumerate(examples):
+        inputs[i, : len(t)] = torch.tensor(t)
+        if final_only:
+            labels[i, len(t) - 1] = y[-1]
+        else:
+            labels[i, : len(y)] = torch.tensor(y)
+    return inputs, labels
+
+
+def training_batches(task: str, batch_size: int, min_len: int, max_len: int, seed: int):
+    """Endless fresh batches with lengths uniform in ``min_len .. max_len``."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"train lengths: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    rng = random.Random(seed)
+    while True:
+        yield make_batch(task, [rng.randint(min_len, max_len) for _ in range(batch_size)], rng)
+
+
+# (label, mixer, TTRConfig overrides) compared by default
+VARIANTS = (
+    ("delta_net beta(0,1)", "delta_net", {"allow_neg_eigval": False}),
+    ("delta_net beta(0,2)", "delta_net", {"allow_neg_eigval": True}),
+    ("gated_deltanet beta(0,1)", "gated_deltanet", {"allow_neg_eigval": False}),
+    ("gated_deltanet beta(0,2)", "gated_deltanet", {"allow_neg_eigval": True}),
+    ("mamba2", "mamba2", {}),
+)
+
+
+def run_job(job: dict) -> dict:
+    """Train one (task, variant, lr) model; evaluate final-answer accuracy at every eval length."""
+    device = torch.device(job_device(job.get("index", 0), job.get("device")))
+    torch.manual_seed(job["seed"])
+    model = build_model(
+        job["mixer"],
+        vocab_size=VOCAB_SIZE,
+        d_model=job["d_model"],
+        num_layers=job["num_layers"],
+        intermediate_size=job["intermediate_size"],
+        num_heads=job["num_heads"],
+        context=max(job["eval_lengths"]),
+        **job.get("overrides", {}),
+    ).to(device)
+    batches = training_batches(job["task"], job["batch_size"], job["train_min"], job["train_max"], job["seed"])
+    amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
+    start = time.perf_counter()
+    losses = train(model, batches, steps=job["steps"], lr=job["lr"], amp_dtype=amp)
+    rng = random.Random(10_000 + job["seed"])
+    per_length = {}
+    for n in job["eval_lengths"]:
+        x, y = make_batch(job["task"], [n] * job["eval_examples"], rng, final_only=True)
+        per_length[n] = accuracy(model, x, y, batch_size=job["eval_batch_size"], amp_dtype=amp)
+    return {
+        **job,
+        "final_loss": losses[-1],
+        "per_length": per_length,
+        "chance": CHANCE[job["task"]],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def best_by_label(results: list[dict]) -> dict[tuple[str, str], dict]:
+    """Best learning rate per (task, variant), by mean accuracy over the eval lengths."""
+    best: dict[tuple[str, str], dict] = {}
+    for r in results:
+        key = (r["task"], r["label"])
+        score = sum(r["per_length"].values()) / len(r["per_length"])
+        if key not in best or score > sum(best[key]["per_length"].values()) / len(best[key]["per_length"]):
+            best[key] = r
+    return best
+
+
+def markdown_table(results: list[dict]) -> str:
+    """Best-lr final-answer accuracy per task, variant and evaluation length."""
+    best = best_by_label(results)
+    lengths = list(results[0]["per_length"])
+    head = ["task", "model", "best lr", "chance", *[f"L={n}" for n in lengths]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (task, label), r in sorted(best.items()):
+        cells = [task, label, f"{r['lr']:.1e}", f"{r['chance']:.2f}"]
+        cells += [f"{r['per_length'][n]:.3f}" for n in lengths]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
