@@ -243,7 +243,7 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
         b_dh = tl.load(dh + p_h, mask=m_kv, other=0)  # gradient of the state after the chunk
         b_dq += tl.dot(b_do, tl.trans(b_h).to(b_do.dtype))
         b_dk += tl.dot(b_v, tl.trans(b_dh).to(b_v.dtype))
-        b_hdh += tl.sum(b_h * b_dh, 1)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
     b_g = tl.load(gk + p_tk, mask=m_tk, other=0)  # [BT, BK]
     b_gl = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK]

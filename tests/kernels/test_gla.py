@@ -136,3 +136,12 @@ def test_errors(monkeypatch):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "cuda")
     with pytest.raises(ValueError, match="TTR_KERNEL_BACKEND"):
         chunk_gla(q, k, v, g)
+
+
+def test_recurrent_packed(backend):
+    cu = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
+    q, k, v, g, h0 = make_inputs(1, 12, 2, 5, 7, h0=True, n=3)
+    o, f = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_ref, f_ref = reference_gla(*(x.double() for x in (q, k, v, g)), initial_state=h0.double(),
+                                 output_final_state=True, cu_seqlens=cu)
+    assert rel_rms(o, o_ref) < TOL and rel_rms(f, f_ref) < TOL

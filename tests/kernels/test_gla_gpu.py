@@ -1,0 +1,118 @@
+"""GPU checks of GLA and simple GLA (``pytest -m gpu``): bf16 / fp16 / fp32 at real sizes.
+
+The oracle is the chunked torch form in float64 (exact; itself checked against the per-token
+recurrence on CPU in test_gla.py / test_ssd.py), fed the same (rounded) inputs. Memory is
+poisoned with NaN before every Triton run so that a kernel relying on zero-filled buffers fails.
+Tolerances by relative RMS error: fp32 5e-3 (tf32 matmuls), bf16 / fp16 1e-2 (dg 2e-2: a reverse
+cumulative sum of products of rounded operands).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.gla import chunk_gla, recurrent_gla
+from ttr.kernels.gla.reference import chunked
+from ttr.kernels.ssd import chunk_simple_gla, recurrent_simple_gla
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [  # (B, T, H, K, V, cu_seqlens)
+    (2, 2048, 4, 128, 128, None),
+    (1, 8192, 2, 128, 128, None),
+    (1, 1024, 2, 256, 256, None),
+    (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]),
+]
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def poison():
+    junk = torch.full((1 << 28,), float("nan"), device="cuda")
+    del junk
+
+
+def tolerances(dtype):
+    return (5e-3, 5e-3) if dtype == torch.float32 else (1e-2, 2e-2)
+
+
+def inputs(b, t, h, dk, dv, dtype, *, vector, n):
+    q = torch.randn(b, t, h, dk, device="cuda").to(dtype)
+    k = (torch.randn(b, t, h, dk, device="cuda") * dk**-0.5).to(dtype)
+    v = torch.randn(b, t, h, dv, device="cuda").to(dtype)
+    shape = (b, t, h, dk) if vector else (b, t, h)
+    g = F.logsigmoid(torch.randn(shape, device="cuda") + 2.0) / 4  # decays from ~1 to ~exp(-1) per token
+    h0 = torch.randn(n, h, dk, dv, device="cuda")
+    return q, k, v, g, h0
+
+
+def forward_backward(fn, q, k, v, g, h0, cu, do, dht):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, h0)]
+    o, ht = fn(*leaves[:4], initial_state=leaves[4], output_final_state=True, cu_seqlens=cu)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    return o, ht, [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(d) for d in s[:5]) + ("-packed" if s[5] else ""))
+@pytest.mark.parametrize("op", ["gla", "simple_gla"])
+def test_chunk_vs_float64(op, shape, dtype):
+    b, t, h, dk, dv, cu = shape
+    n = b if cu is None else len(cu) - 1
+    cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
+    fn = chunk_gla if op == "gla" else chunk_simple_gla
+    q, k, v, g, h0 = inputs(b, t, h, dk, dv, dtype, vector=op == "gla", n=n)
+    do = torch.randn(b, t, h, dv, device="cuda", dtype=torch.float64)
+    dht = torch.randn(n, h, dk, dv, device="cuda", dtype=torch.float64)
+    scale = dk**-0.5
+
+    def oracle(q, k, v, g, *, initial_state, output_final_state, cu_seqlens):
+        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+
+    ref = forward_backward(oracle, *(x.double() for x in (q, k, v, g, h0)), cu, do, dht)
+    poison()
+    got = forward_backward(fn, q, k, v, g, h0, cu, do, dht)
+    tol, tol_dg = tolerances(dtype)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert rel_rms(got[0], ref[0]) < tol, f"o {rel_rms(got[0], ref[0])}"
+    assert rel_rms(got[1], ref[1]) < tol, f"final state {rel_rms(got[1], ref[1])}"
+    for name, a, r in zip(["dq", "dk", "dv", "dg", "dh0"], got[2], ref[2]):
+        assert torch.isfinite(a).all(), name
+        limit = tol_dg if name == "dg" else tol
+        assert rel_rms(a, r) < limit, f"{name} {rel_rms(a, r)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("op", ["gla", "simple_gla"])
+def test_strong_decay_finite(op, dtype):
+    b, t, h, dk, dv = 1, 2048, 2, 128, 128
+    q, k, v, g, h0 = inputs(b, t, h, dk, dv, dtype, vector=op == "gla", n=b)
+    g = g * 0 - 5.0 - torch.rand_like(g)  # exp(-g) over a 64-token chunk would be exp(350)
+    fn = chunk_gla if op == "gla" else chunk_simple_gla
+    poison()
+    o, ht, grads = forward_backward(fn, q, k, v, g, h0, None, torch.randn(b, t, h, dv, device="cuda"),
+                                    torch.randn(b, h, dk, dv, device="cuda"))
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("op", ["gla", "simple_gla"])
+def test_chunk_equals_decoding(op, dtype):
+    b, t, h, dk, dv = 2, 300, 4, 128, 128
+    q, k, v, g, h0 = inputs(b, t, h, dk, dv, dtype, vector=op == "gla", n=b)
+    chunk_fn, step_fn = (chunk_gla, recurrent_gla) if op == "gla" else (chunk_simple_gla, recurrent_simple_gla)
+    o, ht = chunk_fn(q, k, v, g, initial_state=h0, output_final_state=True)
+    poison()
+    state, outs = h0, []
+    for i in range(t):
+        sl = slice(i, i + 1)
+        o_i, state = step_fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=state, output_final_state=True)
+        outs.append(o_i)
+    tol = tolerances(dtype)[0]
+    assert rel_rms(torch.cat(outs, 1), o) < tol
+    assert rel_rms(state, ht) < tol

@@ -1,0 +1,80 @@
+"""GPU checks of Mamba2's SSD form (``pytest -m gpu``): bf16 / fp16 / fp32, groups, packing.
+
+Oracle: the same map onto simple GLA, evaluated by the chunked torch form in float64.
+Tolerances by relative RMS error: fp32 5e-3, bf16 / fp16 1e-2 (ddt, dA 2e-2).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.gla.reference import chunked
+from ttr.kernels.ssd import chunk_ssd, recurrent_ssd
+from ttr.kernels.ssd.reference import ssd_as_simple_gla
+
+pytestmark = pytest.mark.gpu
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def oracle(x, dt, A, B, C, *, initial_state, output_final_state, cu_seqlens):
+    q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
+    return chunked(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+
+
+def inputs(b, t, h, groups, n_state, p, dtype, n):
+    x = torch.randn(b, t, h, p, device="cuda").to(dtype)
+    dt = F.softplus(torch.randn(b, t, h, device="cuda") - 3.0)
+    A = -torch.rand(h, device="cuda").mul(15).add(1)
+    B = (torch.randn(b, t, groups, n_state, device="cuda") * n_state**-0.5).to(dtype)
+    C = torch.randn(b, t, groups, n_state, device="cuda").to(dtype)
+    return x, dt, A, B, C, torch.randn(n, h, n_state, p, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2048, 8, 1, 128, 64, None), (1, 8192, 8, 2, 128, 64, None), (1, 1024, 4, 4, 256, 128, None),
+     (1, 3000, 8, 1, 128, 64, [0, 1, 64, 1000, 3000])],
+    ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
+)
+def test_ssd_vs_float64(shape, dtype):
+    b, t, h, groups, n_state, p, cu = shape
+    n = b if cu is None else len(cu) - 1
+    cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int64)
+    data = inputs(b, t, h, groups, n_state, p, dtype, n)
+    dy = torch.randn(b, t, h, p, device="cuda", dtype=torch.float64)
+    dht = torch.randn(n, h, n_state, p, device="cuda", dtype=torch.float64)
+
+    def run(fn, tensors):
+        leaves = [x.detach().clone().requires_grad_(True) for x in tensors]
+        y, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu)
+        ((y.double() * dy).sum() + (ht.double() * dht).sum()).backward()
+        return y, ht, [x.grad for x in leaves]
+
+    ref = run(oracle, [x.double() for x in data])
+    torch.full((1 << 28,), float("nan"), device="cuda")  # poison the allocator's free blocks
+    got = run(chunk_ssd, data)
+    tol = 5e-3 if dtype == torch.float32 else 1e-2
+    assert rel_rms(got[0], ref[0]) < tol, f"y {rel_rms(got[0], ref[0])}"
+    assert rel_rms(got[1], ref[1]) < tol, f"final state {rel_rms(got[1], ref[1])}"
+    for name, a, r in zip(["dx", "ddt", "dA", "dB", "dC", "dh0"], got[2], ref[2]):
+        assert torch.isfinite(a).all(), name
+        limit = 2 * tol if name in ("ddt", "dA") else tol
+        assert rel_rms(a, r) < limit, f"{name} {rel_rms(a, r)}"
+
+
+def test_ssd_chunk_equals_decoding():
+    x, dt, A, B, C, h0 = inputs(2, 200, 8, 2, 128, 64, torch.bfloat16, 2)
+    y, ht = chunk_ssd(x, dt, A, B, C, initial_state=h0, output_final_state=True)
+    state, outs = h0, []
+    for i in range(200):
+        sl = slice(i, i + 1)
+        y_i, state = recurrent_ssd(x[:, sl], dt[:, sl], A, B[:, sl], C[:, sl], initial_state=state,
+                                   output_final_state=True)
+        outs.append(y_i)
+    assert rel_rms(torch.cat(outs, 1), y) < 1e-2
+    assert rel_rms(state, ht) < 1e-2
