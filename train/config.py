@@ -85,6 +85,7 @@ class TrainSection:
     activation_checkpointing: bool = False
     compile: bool = False
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row
+    cpu_threads: int = 0  # torch intra-op threads on CPU runs; 0 = torch's default
     export_at_end: bool = True
 
 
@@ -183,6 +184,7 @@ def _validate(cfg: RunConfig) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
     nonneg = [
         ("train.batch_tokens", cfg.train.batch_tokens),
+        ("train.cpu_threads", cfg.train.cpu_threads),
         ("optim.warmup_steps", cfg.optim.warmup_steps),
         ("optim.weight_decay", cfg.optim.weight_decay),
         ("optim.grad_clip", cfg.optim.grad_clip),

@@ -141,6 +141,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.acc = self._accelerator()
+        if self.acc.device.type == "cpu" and cfg.train.cpu_threads:
+            torch.set_num_threads(cfg.train.cpu_threads)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self.run_dir = self._prepare_run_dir()
         self.ckpt = latest_checkpoint(self.run_dir) if self.resume else None

@@ -21,6 +21,16 @@ def make_docs(n: int, seed: int = 0) -> list[str]:
     return docs
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models here are tiny: one intra-op thread is faster, and far faster on a busy machine
+    (spinning OpenMP threads that lose their core stall every small matmul)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")

@@ -45,3 +45,17 @@ def test_cli_split_and_default_config():
     rest, over = split_overrides(["cfg.toml", "--resume", "--train.max_steps=3", "--run_dir=a", "--nproc", "2"])
     assert rest == ["cfg.toml", "--resume", "--nproc", "2"] and over == ["--train.max_steps=3", "--run_dir=a"]
     assert load_config(default_config_path()).model.preset.startswith("gated_deltanet")
+
+
+def test_every_recipe_parses_and_names_a_preset():
+    from ttr.models.presets import list_presets
+    from ttr.train.cli import CONFIG_DIR
+
+    recipes = sorted(CONFIG_DIR.glob("*.toml"))
+    assert len(recipes) >= 23
+    for path in recipes:
+        cfg = load_config(path)
+        assert cfg.model.preset in list_presets(), path
+        assert path.read_text().startswith("#"), f"{path} must say where its recipe comes from"
+    names = {p.stem for p in recipes}
+    assert {f"{p}" for p in list_presets()} <= names
