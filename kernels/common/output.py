@@ -98,6 +98,8 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     b_dks = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dS = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dST = tl.zeros([BT, BT], dtype=tl.float32)  # dS^T by its own products: tl.trans of a dot result
+    # miscompiles on Hopper with Triton 3.4 - 3.7.0 (fla issue #640)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
@@ -111,6 +113,7 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         b_dqs += tl.dot(b_do, b_h.to(b_do.dtype))
         b_dks += tl.dot(b_v, b_dh.to(b_v.dtype))
         b_dS += tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
+        b_dST += tl.dot(b_v.to(b_do.dtype), tl.trans(b_do))
         if USE_G:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
         if USE_W:
@@ -122,6 +125,7 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     b_q = tl.load(p_q, mask=m_q, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     m_A = o_i[:, None] >= o_i[None, :]
+    m_AT = o_i[:, None] <= o_i[None, :]
     b_dqs *= scale
     if USE_G:
         last = tl.minimum((i_c + 1) * BT, T) - 1
@@ -130,9 +134,11 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         b_dqs *= tl.exp(b_g)[:, None]
         b_dks *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
         b_dS *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_dST *= tl.exp(tl.where(m_AT, b_g[None, :] - b_g[:, None], 0.))
     b_dS = tl.where(m_A, b_dS * scale, 0.)
+    b_dST = tl.where(m_AT, b_dST * scale, 0.)
     b_dq = b_dqs + tl.dot(b_dS.to(b_k.dtype), b_k)
-    b_dk = b_dks + tl.dot(tl.trans(b_dS).to(b_q.dtype), b_q)
+    b_dk = b_dks + tl.dot(b_dST.to(b_q.dtype), b_q)
     p_dq, m_dq = tile(dq + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
     p_dk, m_dk = tile(dk + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
     tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_dq)
@@ -142,8 +148,9 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), mask=m_dw)
     if USE_G:
         b_P = b_dS * tl.dot(b_q, tl.trans(b_k))
+        b_PT = b_dST * tl.dot(b_k, tl.trans(b_q))
         b_kdks = tl.sum(b_dks * b_k.to(tl.float32), 1)
-        b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) + tl.sum(b_P, 1) - tl.sum(b_P, 0) - b_kdks
+        b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) + tl.sum(b_P, 1) - tl.sum(b_PT, 1) - b_kdks
         b_dg += tl.where(i_c * BT + o_i == last, tl.sum(b_kdks, 0) + tl.exp(b_gl) * tl.sum(b_hdh, 0), 0.)
         tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
 

@@ -131,8 +131,10 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
         tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_dh0)
 
 
-def _state_blocks(K: int, V: int, programs_per_vblock: int, device) -> tuple[int, int, int]:
-    """BK covers K; BV is the largest block that still gives about one program per SM."""
+def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int) -> tuple[int, int, int, int]:
+    """BK covers K; BV is the largest block that still gives about one program per SM; the
+    software-pipelining depth is what the per-chunk tiles (3 of [BT, BK], 2 of [BT, BV]) leave
+    room for in shared memory (measured on the H200: bf16 K=128 fits 3 stages, fp32 or K=256 not)."""
     BK = max(16, triton.next_power_of_2(K))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     BV = min(64, max(16, triton.next_power_of_2(V)))
@@ -141,7 +143,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device) -> tuple[int
     if BK >= 256:
         BV = min(BV, 32)
     num_warps = 8 if BK * BV >= 128 * 64 else 4
-    return BK, BV, num_warps
+    stage_bytes = elem * 64 * (3 * BK + 2 * BV)
+    num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
+    return BK, BV, num_warps, num_stages
 
 
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
@@ -151,14 +155,15 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, H, K = k.shape
     V = u.shape[-1]
     N = plan.num_seqs
-    BK, BV, num_warps = _state_blocks(K, V, N * H, k.device)
+    BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
         k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
         BT=plan.chunk_size, BK=BK, BV=BV, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_H0=initial_state is not None, STORE_HT=output_final_state, num_warps=num_warps)
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, num_warps=num_warps,
+        num_stages=num_stages)
     return h, v_new, ht
 
 
@@ -169,12 +174,13 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, H, K = k.shape
     V = do.shape[-1]
     N = plan.num_seqs
-    BK, BV, num_warps = _state_blocks(K, V, N * H, k.device)
+    BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, K=K, V=V,
         BT=plan.chunk_size, BK=BK, BV=BV, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=num_warps)
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=num_warps,
+        num_stages=num_stages)
     return dh, dh0, dv2

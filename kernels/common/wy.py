@@ -70,7 +70,8 @@ def _dot(a, b):
 
 @triton.jit
 def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                  REUSE_AI: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -81,46 +82,48 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
     m_t = o_i < n_valid
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
 
-    b_A = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-        b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
-        b_A += tl.dot(b_k, tl.trans(b_k))
-    m_A = o_i[:, None] > o_i[None, :]
     if USE_G:
         b_g = tl.load(g + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
-        b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-    b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
     p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
-    tl.store(p_Ai, b_A, mask=m_t[:, None])
-    tl.debug_barrier()
+    if not REUSE_AI:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+            b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
+            b_A += tl.dot(b_k, tl.trans(b_k))
+        m_A = o_i[:, None] > o_i[None, :]
+        if USE_G:
+            b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
+        tl.store(p_Ai, b_A, mask=m_t[:, None])
+        tl.debug_barrier()
 
-    _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
-    tl.debug_barrier()
-    b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
-    b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
-    b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
-    b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
-    b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
-    b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
-    b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
-    b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
-    b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
-    b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
-    tl.debug_barrier()
-    b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
-    b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
-    b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
-    b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
-    b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
-    b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
-    _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
-    _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
-    _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
-    _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
-    _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
-    _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
-    tl.debug_barrier()
+        _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
+        tl.debug_barrier()
+        b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
+        b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
+        b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
+        b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
+        b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
+        b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
+        b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
+        b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
+        b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
+        b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
+        tl.debug_barrier()
+        b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
+        b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
+        b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
+        b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
+        b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
+        b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
+        _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
+        _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
+        _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
+        _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
+        _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
+        _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
+        tl.debug_barrier()
 
     b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     for i_k in range(tl.cdiv(K, BK)):
@@ -151,6 +154,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     o_i = tl.arange(0, BT)
     m_t = o_i < T - i_c * BT
     m_A = o_i[:, None] > o_i[None, :]
+    m_AT = o_i[:, None] < o_i[None, :]
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_T = b_Ai * b_beta[None, :]
@@ -159,6 +163,9 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_eg = tl.exp(b_g)
 
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    # dT^T by its own products: tl.trans of a dot result miscompiles on Hopper with Triton 3.4 - 3.7.0
+    # (fla issue #640)
+    b_dTT = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -167,6 +174,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
             b_k = (b_k * b_eg[:, None]).to(b_k.dtype)
         b_dw = tl.load(p_dw, mask=m_dw, other=0.)
         b_dT += tl.dot(b_dw.to(b_k.dtype), tl.trans(b_k))
+        b_dTT += tl.dot(b_k, tl.trans(b_dw.to(b_k.dtype)))
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_du, m_du = tile(du + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
@@ -174,6 +182,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_v = tl.load(p_v, mask=m_v, other=0.)
         b_du = tl.load(p_du, mask=m_du, other=0.).to(b_v.dtype)
         b_dT += tl.dot(b_du, tl.trans(b_v))
+        b_dTT += tl.dot(b_v, tl.trans(b_du))
         b_dv = tl.dot(tl.trans(b_T).to(b_v.dtype), b_du)
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
@@ -181,10 +190,14 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
     b_dA = tl.dot(tl.trans(b_Ai), b_dT * b_beta[None, :])
     b_dA = tl.where(m_A, -tl.dot(b_dA, tl.trans(b_Ai)), 0.)
+    b_dAT = tl.dot(tl.dot(b_Ai, b_dTT * b_beta[:, None]), b_Ai)
+    b_dAT = tl.where(m_AT, -b_dAT, 0.)
     if USE_G:
         b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_dAT *= tl.exp(tl.where(m_AT, b_g[None, :] - b_g[:, None], 0.))
     # now b_dA is the gradient of beta_i <k_i, k_j> (i > j)
     b_dB = b_dA * b_beta[:, None]
+    b_dBT = b_dAT * b_beta[None, :]
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     b_dgc = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -195,7 +208,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_dw = tl.load(p_dw, mask=m_dw, other=0.).to(b_k.dtype)
         b_KK += tl.dot(b_k, tl.trans(b_k))
         b_dkb = tl.dot(tl.trans(b_T).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
-        b_dk = tl.dot(b_dB.to(b_k.dtype), b_k) + tl.dot(tl.trans(b_dB).to(b_k.dtype), b_k)
+        b_dk = tl.dot(b_dB.to(b_k.dtype), b_k) + tl.dot(b_dBT.to(b_k.dtype), b_k)
         if USE_G:
             b_dk += b_dkb * b_eg[:, None]
             b_dgc += tl.sum(b_dkb * b_k * b_eg[:, None], 1)
@@ -223,7 +236,9 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan, *,
-           g: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           g: torch.Tensor | None = None, Ai: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """With ``Ai`` (from an earlier call on the same inputs) the inverse is reused, not recomputed."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT = plan.chunk_size
@@ -231,9 +246,11 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
     BK, BV = _blocks(K, V)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
+    reuse = Ai is not None
+    if not reuse:
+        Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
     wy_fwd_kernel[(plan.num_chunks, H)](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
-                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None)
+                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, REUSE_AI=reuse)
     return w, u, Ai
 
 

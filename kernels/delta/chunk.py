@@ -1,7 +1,7 @@
 """Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
 
 Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output.
-Backward recomputes w, u, h and v_new (cheaper than keeping them), then: intra-chunk dv ->
+Backward recomputes w, u (from the saved inverse), h and v_new (cheaper than keeping them), then: intra-chunk dv ->
 reverse state pass (dh, dh0, full dv) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta, dg),
 whose last step maps dg from cumulative back to raw gates.
 """
@@ -23,21 +23,21 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         B, T = q.shape[:2]
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
-        w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum)
+        w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                  output_final_state=output_final_state)
         o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
-        ctx.save_for_backward(q, k, v, g_cum, beta, initial_state)
+        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state)
         ctx.plan, ctx.scale = plan, scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, h0 = ctx.saved_tensors
+        q, k, v, g_cum, beta, Ai, h0 = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
+        w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
         h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
         dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
         dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None)

@@ -1,0 +1,282 @@
+"""DeltaNet and Gated DeltaNet kernels against the float64 per-token oracle.
+
+CPU: the Triton kernels under the interpreter (TTR_KERNEL_BACKEND=triton, TRITON_INTERPRET=1 from
+conftest) and the chunked torch backend, float32, tiny shapes. GPU (-m gpu): real sizes, bf16/fp16/fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.delta import chunk_delta_rule, recurrent_delta_rule, reference_delta_rule
+from ttr.kernels.gated_delta import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    reference_gated_delta_rule,
+)
+
+OPS = {
+    "delta": (chunk_delta_rule, recurrent_delta_rule, reference_delta_rule, False),
+    "gated_delta": (chunk_gated_delta_rule, recurrent_gated_delta_rule, reference_gated_delta_rule, True),
+}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(op, B, T, H, K, V, *, beta_max=1.0, cu_seqlens=None, h0=True, dtype=torch.float32,
+                device="cpu"):
+    gated = OPS[op][3]
+    n = B if cu_seqlens is None else len(cu_seqlens) - 1
+    x = {
+        "q": torch.randn(B, T, H, K, device=device).to(dtype),
+        "k": F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype),
+        "v": torch.randn(B, T, H, V, device=device).to(dtype),
+        "beta": (torch.rand(B, T, H, device=device) * 0.98 + 0.01) * beta_max,
+    }
+    if gated:
+        x["g"] = F.logsigmoid(torch.randn(B, T, H, device=device) + 2.0)
+    if h0:
+        x["initial_state"] = torch.randn(n, H, K, V, device=device)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device) if cu_seqlens is not None else None
+    return x, cu
+
+
+def call(fn, op, x, cu, **kw):
+    args = [x["q"], x["k"], x["v"]] + ([x["g"]] if OPS[op][3] else []) + [x["beta"]]
+    return fn(*args, initial_state=x.get("initial_state"), output_final_state=True, cu_seqlens=cu, **kw)
+
+
+def outputs_and_grads(fn, op, x, cu, do, dht):
+    """(o, final_state, {name: grad}) for loss = <o, do> + <final, dht>."""
+    x = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    o, ht = call(fn, op, x, cu)
+    loss = (o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()
+    loss.backward()
+    return o.detach(), ht.detach(), {n: t.grad for n, t in x.items()}
+
+
+def check_against_oracle(op, x, cu, tol):
+    chunk, _, reference, _ = OPS[op]
+    B, T, H, _ = x["q"].shape
+    do = torch.randn(B, T, H, x["v"].shape[-1], device=x["q"].device)
+    n = B if cu is None else cu.numel() - 1
+    dht = torch.randn(n, H, x["k"].shape[-1], x["v"].shape[-1], device=x["q"].device)
+    x64 = {n: t.double() for n, t in x.items()}
+    o_ref, ht_ref, g_ref = outputs_and_grads(reference, op, x64, cu, do, dht)
+    o, ht, grads = outputs_and_grads(chunk, op, x, cu, do, dht)
+    assert o.shape == o_ref.shape and ht.shape == ht_ref.shape
+    errors = {"o": rel_rms(o, o_ref), "final_state": rel_rms(ht, ht_ref)}
+    errors.update({f"d{n}": rel_rms(grads[n], g_ref[n]) for n in x})
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"relative RMS error above {tol}: {bad} (all: {errors})"
+
+
+# ---------------------------------------------------------------- CPU: Triton (interpreter) and torch backends
+
+# (T, B, beta_max, initial state, K, V): every T of the issue, both beta ranges, with and without
+# an initial state, and one case with head dims that are not powers of two.
+SINGLE = [
+    (1, 2, 2.0, True, 32, 32),
+    (15, 2, 1.0, False, 32, 32),
+    (63, 1, 1.0, True, 32, 32),
+    (64, 2, 2.0, False, 32, 32),
+    (65, 1, 2.0, True, 20, 24),
+    (200, 1, 1.0, True, 16, 32),
+]
+PACKED = [[0, 1, 64, 128, 258]]  # documents of length 1, 63, 64, 130
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("T,B,beta_max,h0,K,V", SINGLE)
+def test_chunk_matches_oracle(backend, op, T, B, beta_max, h0, K, V):
+    x, cu = make_inputs(op, B, T, 2, K, V, beta_max=beta_max, h0=h0)
+    check_against_oracle(op, x, cu, tol=1e-4)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("beta_max,h0", [(2.0, True), (1.0, False)])
+def test_chunk_packed_matches_oracle(backend, op, beta_max, h0):
+    cu_list = PACKED[0]
+    x, cu = make_inputs(op, 1, cu_list[-1], 2, 16, 16, beta_max=beta_max, cu_seqlens=cu_list, h0=h0)
+    check_against_oracle(op, x, cu, tol=1e-4)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_packed_equals_separate(backend, op):
+    """No state, gate or gradient crosses a document boundary."""
+    cu_list = [0, 63, 130]
+    x, cu = make_inputs(op, 1, 130, 2, 16, 16, beta_max=2.0, cu_seqlens=cu_list)
+    chunk = OPS[op][0]
+    o, ht = call(chunk, op, x, cu)
+    for i in range(2):
+        s, e = cu_list[i], cu_list[i + 1]
+        xi = {n: (t[i:i + 1] if n == "initial_state" else t[:, s:e]) for n, t in x.items()}
+        oi, hti = call(chunk, op, xi, None)
+        assert rel_rms(o[:, s:e], oi) < 1e-5
+        assert rel_rms(ht[i:i + 1], hti) < 1e-5
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("T,cu_list", [(1, None), (5, None), (70, [0, 1, 6, 70])])
+def test_recurrent_matches_oracle(backend, op, T, cu_list):
+    B = 2 if cu_list is None else 1
+    x, cu = make_inputs(op, B, T, 2, 20, 24, beta_max=2.0, cu_seqlens=cu_list)
+    x64 = {n: t.double() for n, t in x.items()}
+    o_ref, ht_ref = call(OPS[op][2], op, x64, cu)
+    o, ht = call(OPS[op][1], op, x, cu)
+    assert rel_rms(o, o_ref) < 1e-5 and rel_rms(ht, ht_ref) < 1e-5
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_chunk_prefill_then_recurrent_decoding(backend, op):
+    """Prefill with the chunk op, decode token by token with the recurrent op == one chunk call."""
+    x, _ = make_inputs(op, 2, 70, 2, 16, 16, beta_max=1.5)
+    o_full, ht_full = call(OPS[op][0], op, x, None)
+    pre = {n: (t if n == "initial_state" else t[:, :66]) for n, t in x.items()}
+    o_pre, state = call(OPS[op][0], op, pre, None)
+    outs = [o_pre]
+    for t in range(66, 70):
+        step = {n: t_[:, t:t + 1] for n, t_ in x.items() if n != "initial_state"}
+        step["initial_state"] = state
+        o_t, state = call(OPS[op][1], op, step, None)
+        outs.append(o_t)
+    assert rel_rms(torch.cat(outs, 1), o_full) < 1e-5
+    assert rel_rms(state, ht_full) < 1e-5
+
+
+def test_default_backend_on_cpu_is_torch(monkeypatch):
+    from ttr.kernels.utils import kernel_backend
+
+    monkeypatch.delenv("TTR_KERNEL_BACKEND", raising=False)
+    assert kernel_backend(torch.zeros(1)) == "torch"
+
+
+def test_scale_default_and_explicit():
+    x, _ = make_inputs("delta", 1, 10, 2, 16, 16, h0=False)
+    o_default, _ = call(OPS["delta"][2], "delta", x, None)
+    o_explicit, _ = call(OPS["delta"][2], "delta", x, None, scale=16 ** -0.5)
+    o_other, _ = call(OPS["delta"][2], "delta", x, None, scale=1.0)
+    assert torch.equal(o_default, o_explicit)
+    assert rel_rms(o_other, o_default * 4) < 1e-6
+
+
+# ---------------------------------------------------------------- errors
+
+def _bad(op, **change):
+    x, _ = make_inputs(op, 2, 8, 2, 16, 16)
+    cu = change.pop("cu_seqlens", None)
+    x.update(change)
+    return x, cu
+
+
+ERRORS = [
+    ("q rank", lambda op: _bad(op, q=torch.randn(2, 8, 16)), ValueError, "q"),
+    ("k shape", lambda op: _bad(op, k=torch.randn(2, 8, 2, 8)), ValueError, "k"),
+    ("v shape", lambda op: _bad(op, v=torch.randn(2, 9, 2, 16)), ValueError, "v"),
+    ("beta shape", lambda op: _bad(op, beta=torch.rand(2, 8, 3)), ValueError, "beta"),
+    ("beta rank", lambda op: _bad(op, beta=torch.rand(2, 8, 2, 1)), ValueError, "beta"),
+    ("int dtype", lambda op: _bad(op, q=torch.ones(2, 8, 2, 16, dtype=torch.int32)), TypeError, "q"),
+    ("mixed dtype", lambda op: _bad(op, v=torch.randn(2, 8, 2, 16, dtype=torch.float16)), TypeError, "dtype"),
+    ("head dim", lambda op: _bad(op, q=torch.randn(2, 8, 2, 320), k=torch.randn(2, 8, 2, 320),
+                                 initial_state=None), ValueError, "head dim"),
+    ("B>1 packed", lambda op: _bad(op, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), initial_state=None),
+     ValueError, "batch size 1"),
+    ("initial state", lambda op: _bad(op, initial_state=torch.randn(3, 2, 16, 16)), ValueError, "initial_state"),
+]
+PACKED_ERRORS = [
+    ([1, 4, 8], "start at 0"),
+    ([0, 5, 3, 8], "non-decreasing"),
+    ([0, 4, 7], "end at T"),
+]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("which", range(len(ERRORS)), ids=[e[0] for e in ERRORS])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_bad_input_raises(op, which, kind):
+    _, make, exc, match = ERRORS[which]
+    x, cu = make(op)
+    with pytest.raises(exc, match=match):
+        call(OPS[op][kind], op, x, cu)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("cu_list,match", PACKED_ERRORS)
+def test_bad_cu_seqlens_raises(op, cu_list, match):
+    x, _ = make_inputs(op, 1, 8, 2, 16, 16, h0=False)
+    with pytest.raises(ValueError, match=match):
+        call(OPS[op][0], op, x, torch.tensor(cu_list, dtype=torch.int32))
+
+
+def test_gate_dtype_raises():
+    x, _ = make_inputs("gated_delta", 1, 8, 2, 16, 16)
+    x["g"] = x["g"].to(torch.bfloat16)
+    with pytest.raises(TypeError, match="g"):
+        call(OPS["gated_delta"][0], "gated_delta", x, None)
+
+
+def test_float64_on_triton_backend_raises(monkeypatch):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, _ = make_inputs("delta", 1, 8, 2, 16, 16)
+    x = {n: t.double() for n, t in x.items()}
+    with pytest.raises(TypeError, match="dtype"):
+        call(OPS["delta"][0], "delta", x, None)
+
+
+# ---------------------------------------------------------------- GPU (the lent H200)
+
+GPU_TOL = {torch.float32: 5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,T,D,cu_list", [(2, 1000, 128, None), (1, 8192, 128, None), (1, 4096, 256, None),
+                                           (1, 3000, 128, [0, 1, 700, 764, 2000, 3000])])
+def test_gpu_chunk_matches_oracle(monkeypatch, op, dtype, B, T, D, cu_list):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    H = 2
+    x, cu = make_inputs(op, B, T, H, D, D, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
+    # the float64 oracle runs on the GPU too (per-token loop, fine at these sizes)
+    check_against_oracle(op, x, cu, tol=GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_outputs_fully_written(monkeypatch, op, dtype):
+    """Poison the output buffers' memory first: every element must be overwritten."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, cu = make_inputs(op, 1, 1000, 4, 128, 128, cu_seqlens=[0, 1, 500, 1000], dtype=dtype, device="cuda")
+    for _ in range(2):
+        junk = torch.full((64 << 20,), float("nan"), device="cuda")
+        del junk
+        o, ht = call(OPS[op][0], op, x, cu)
+        assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+        o_r, ht_r = call(OPS[op][1], op, x, cu)
+        assert torch.isfinite(o_r).all() and torch.isfinite(ht_r).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("D", [128, 256])
+def test_gpu_chunk_equals_recurrent_decoding(monkeypatch, op, dtype, D):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, _ = make_inputs(op, 2, 2048, 4, D, D, beta_max=2.0, dtype=dtype, device="cuda")
+    o_chunk, ht_chunk = call(OPS[op][0], op, x, None)
+    o_rec, ht_rec = call(OPS[op][1], op, x, None)
+    tol = GPU_TOL[dtype]
+    assert rel_rms(o_chunk, o_rec) < tol and rel_rms(ht_chunk, ht_rec) < tol
