@@ -29,6 +29,10 @@ def _override(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _seconds(minutes: float | None) -> float | None:
+    return None if minutes is None else 60.0 * minutes
+
+
 def _write(out_dir: str, name: str, content) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -111,7 +115,7 @@ def _mqar(args) -> int:
                         seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
                         eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
                         train_configs=args.train_configs, test_configs=args.test_configs, device=args.device,
-                        amp=not args.no_amp, overrides=overrides,
+                        amp=not args.no_amp, overrides=overrides, max_seconds=_seconds(args.max_minutes),
                     )
                 )
     results = run_jobs(mqar.run_job, jobs, args.jobs)
@@ -150,7 +154,7 @@ def _state(args) -> int:
                         num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
                         train_min=args.train_min, train_max=args.train_max, eval_lengths=args.eval_lengths,
                         eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size, device=args.device,
-                        amp=not args.no_amp,
+                        amp=not args.no_amp, max_seconds=_seconds(args.max_minutes),
                     )
                 )
     results = run_jobs(st.run_job, jobs, args.jobs)
@@ -217,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", type=_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (several fit on one GPU)")
+    p.add_argument("--max-minutes", type=float, help="training time budget per job; the lr schedule follows it")
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true", help="fp32 on GPU instead of bf16 autocast")
     p.add_argument("--output", default="eval_results/mqar")
@@ -240,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--max-minutes", type=float, help="training time budget per job; the lr schedule follows it")
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true")
     p.add_argument("--output", default="eval_results/state")

@@ -178,7 +178,7 @@ def run_job(job: dict) -> dict:
     steps = job["steps"] or job["epochs"] * batches.batches_per_epoch()
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
-    losses = train(model, batches, steps=steps, lr=job["lr"], amp_dtype=amp)
+    losses = train(model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp)
     correct = total = 0
     per_config = {}
     for c, (x, y) in zip(job["test_configs"], test_data):
@@ -189,7 +189,7 @@ def run_job(job: dict) -> dict:
         total += queries
     return {
         **{k: v for k, v in job.items() if k not in ("train_configs", "test_configs")},
-        "steps": steps,
+        "steps": len(losses),
         "final_loss": losses[-1],
         "accuracy": correct / total,
         "per_config": per_config,

@@ -156,7 +156,9 @@ def run_job(job: dict) -> dict:
     batches = training_batches(job["task"], job["batch_size"], job["train_min"], job["train_max"], job["seed"])
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
-    losses = train(model, batches, steps=job["steps"], lr=job["lr"], amp_dtype=amp)
+    losses = train(
+        model, batches, steps=job["steps"], lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp
+    )
     rng = random.Random(10_000 + job["seed"])
     per_length = {}
     for n in job["eval_lengths"]:
@@ -164,6 +166,7 @@ def run_job(job: dict) -> dict:
         per_length[n] = accuracy(model, x, y, batch_size=job["eval_batch_size"], amp_dtype=amp)
     return {
         **job,
+        "steps": len(losses),
         "final_loss": losses[-1],
         "per_length": per_length,
         "chance": CHANCE[job["task"]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
@@ -82,12 +83,12 @@ def labelled_logits(model, input_ids: torch.Tensor, labels: torch.Tensor, ignore
     return logits.float(), labels[mask]
 
 
-def cosine_lr(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up then cosine decay to zero, as a multiplier of the peak learning rate."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+def cosine_lr(progress: float, warmup: float) -> float:
+    """Linear warm-up over the first ``warmup`` fraction of training, then cosine decay to zero;
+    a multiplier of the peak learning rate at ``progress`` in [0, 1]."""
+    if progress < warmup:
+        return max(progress / warmup, 1e-3)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))))
 
 
 def train(
@@ -96,6 +97,7 @@ def train(
     *,
     steps: int,
     lr: float,
+    max_seconds: float | None = None,
     weight_decay: float = 0.1,
     warmup_fraction: float = 0.1,
     grad_clip: float = 1.0,
@@ -103,14 +105,19 @@ def train(
     log: Callable[[int, float], None] | None = None,
     log_every: int = 100,
 ) -> list[float]:
-    """AdamW on cross-entropy at labelled positions; returns the loss of every step.
+    """AdamW on cross-entropy at labelled positions; returns the loss of every step taken.
 
-    ``log(step, loss)`` is called every ``log_every`` steps (the only host syncs in the loop).
+    Training progress is ``step / steps``, or with ``max_seconds`` the larger of that and the
+    fraction of the time budget spent: the schedule then completes (and training stops) when
+    the budget runs out, so a sweep of many jobs finishes on time whatever the throughput.
+    ``log(step, loss)`` is called every ``log_every`` steps.
     """
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     if not lr > 0:
         raise ValueError(f"lr: expected > 0, got {lr}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds: expected > 0, got {max_seconds}")
     device = next(model.parameters()).device
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
@@ -119,11 +126,17 @@ def train(
         lr=lr,
         betas=(0.9, 0.98),
     )
-    warmup = max(1, int(warmup_fraction * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, steps, warmup))
     model.train()
     losses = []
+    start = time.perf_counter()
     for step in range(steps):
+        progress = step / steps
+        if max_seconds is not None:
+            progress = max(progress, (time.perf_counter() - start) / max_seconds)
+            if progress >= 1.0:
+                break
+        for group in opt.param_groups:
+            group["lr"] = lr * cosine_lr(progress, warmup_fraction)
         inputs, labels = next(batches)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -133,7 +146,6 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
-        sched.step()
         losses.append(loss.detach())
         if log is not None and (step % log_every == 0 or step == steps - 1):
             log(step, loss.item())
