@@ -42,6 +42,9 @@ import triton.language as tl
 from ttr.kernels.common.index import ChunkPlan
 
 SUB_CHUNK = 16
+# Launch width of every kernel here: with 4 warps the [64, 64] fp32 tiles of the output and
+# backward kernels spill registers on sm_90 (checked with cuobjdump -res-usage, Triton 3.9).
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -285,7 +288,7 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     grid = (plan.num_chunks, BT // SUB_CHUNK, H)
     vector_gate_scores_kernel[grid](q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K,
-                                    BT=BT, BC=SUB_CHUNK, BK=_block_k_sub(K))
+                                    BT=BT, BC=SUB_CHUNK, BK=_block_k_sub(K), num_warps=NUM_WARPS)
     return A
 
 
@@ -297,7 +300,7 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     BV = _block_v(V)
     grid = (plan.num_chunks, triton.cdiv(V, BV), H)
     vector_gate_output_kernel[grid](q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
-                                    K=K, V=V, BT=plan.chunk_size, BK=_block_k(K), BV=BV)
+                                    K=K, V=V, BT=plan.chunk_size, BK=_block_k(K), BV=BV, num_warps=NUM_WARPS)
     return o
 
 
@@ -308,7 +311,7 @@ def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
     BV = _block_v(V)
     grid = (plan.num_chunks, triton.cdiv(V, BV), H)
     vector_gate_dv_kernel[grid](A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size,
-                                BV=BV)
+                                BV=BV, num_warps=NUM_WARPS)
     return dv
 
 
@@ -317,7 +320,7 @@ def vector_gate_dA(v, do, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
     B, T, H, V = v.shape
     dA = torch.empty(B, T, H, plan.chunk_size, device=v.device, dtype=torch.float32)
     vector_gate_dA_kernel[(plan.num_chunks, H)](v, do, dA, plan.cu_seqlens, plan.chunk_indices, scale, H=H, V=V,
-                                               BT=plan.chunk_size, BV=_block_v(V))
+                                               BT=plan.chunk_size, BV=_block_v(V), num_warps=NUM_WARPS)
     return dA
 
 
@@ -328,7 +331,8 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     grid = (plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)
     vector_gate_intra_bwd_kernel[grid](q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
-                                       BT=plan.chunk_size, BC=SUB_CHUNK, BK=_block_k_sub(K))
+                                       BT=plan.chunk_size, BC=SUB_CHUNK, BK=_block_k_sub(K),
+                                       num_warps=NUM_WARPS)
     return dq, dk
 
 
@@ -343,9 +347,9 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    BK = _block_k(K)
+    BK = _block_k_sub(K)  # two [64, BK] fp32 accumulators: 32 keeps them in registers
     grid = (plan.num_chunks, triton.cdiv(K, BK), H)
     vector_gate_bwd_dqkg_kernel[grid](q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens,
                                       plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
-                                      BV=_block_v(V))
+                                      BV=_block_v(V), num_warps=NUM_WARPS)
     return dq, dk, dg
