@@ -164,6 +164,84 @@ def run(ops: list[str], seqlens: list[int], with_fla: bool = True) -> str:
     return "\n".join(lines)
 
 
+SWEEP = {
+    "state_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)],
+    "state_bwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)],
+    "wy_fwd": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3)],
+    "wy_bwd": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (1, 2, 3)],
+    "output_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (64, 128) for nw in (4, 8) for ns in (2, 3)],
+    "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (2, 3)],
+    "output_bwd_dqk": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (1, 2, 3)],
+}
+
+
+def stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
+    """One closure per engine stage, on bf16 inputs of the benchmark's shape (for --stages)."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.common.wy import wy_bwd, wy_fwd
+
+    x = _delta_inputs(gated)(B, T, HEADS, HEAD_DIM, torch.bfloat16, device)
+    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x.get("g")
+    do = torch.randn_like(v)
+    scale = HEAD_DIM ** -0.5
+    plan = prepare_chunks(None, B, T, device=device)
+    gc = chunk_local_cumsum(g, plan) if gated else None
+    w, u, Ai = wy_fwd(k, v, beta, plan, g=gc)
+    h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
+    dvl = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, _, dv2 = state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc)
+    dq, dk, dw, dg = output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2)
+    calls = {
+        "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
+        "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
+        "state_fwd": lambda: state_fwd(k, u, plan, w=w, g=gc),
+        "output_fwd": lambda: output_fwd(q, k, vn, h, plan, scale=scale, g=gc),
+        "output_bwd_dv": lambda: output_bwd_dv(q, k, do, plan, scale=scale, g=gc),
+        "state_bwd": lambda: state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc),
+        "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
+        "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
+    }
+    if gated:
+        calls["cumsum"] = lambda: chunk_local_cumsum(g, plan)
+    return calls
+
+
+def profile_stages(shapes: list[tuple[int, int]], sweep: bool) -> str:
+    """Median ms per stage at the heuristic launch parameters, and (``sweep``) per alternative."""
+    from triton.testing import do_bench
+
+    from ttr.kernels.common.index import TUNING
+
+    device = torch.device("cuda")
+    out = []
+    for gated in (True, False):
+        for B, T in shapes:
+            calls = stage_calls(B, T, gated, device)
+            times = {n: do_bench(fn, warmup=10, rep=50, return_mode="median") for n, fn in calls.items()}
+            out.append(f"stages gated={gated} {B}x{T}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items()))
+            print(out[-1], flush=True)
+            if not (sweep and gated):
+                continue
+            for stage, options in SWEEP.items():
+                results = []
+                for cfg in options:
+                    TUNING[stage] = cfg
+                    try:
+                        results.append((do_bench(calls[stage], warmup=10, rep=50, return_mode="median"), cfg))
+                    except Exception as e:  # a config that does not fit is skipped
+                        print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
+                    finally:
+                        TUNING.pop(stage, None)
+                results.sort(key=lambda r: r[0])
+                out.append(f"  sweep {stage} {B}x{T}: default {times[stage]:.3f}; "
+                           + "; ".join(f"{t:.3f} {c}" for t, c in results[:4]))
+                print(out[-1], flush=True)
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ttr bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default=None, help="comma-separated row names (default: all registered)")
@@ -171,10 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", action="append", default=[], help="extra module that registers rows")
     parser.add_argument("--no-fla", action="store_true", help="skip the fla columns")
     parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--stages", action="store_true", help="time each engine stage instead (delta rules)")
+    parser.add_argument("--sweep", action="store_true", help="with --stages: also time launch alternatives")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ttr bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.stages:
+        shapes = [(max(1, TOKENS // int(t)), int(t)) for t in args.seqlens.split(",")]
+        report = profile_stages(shapes, args.sweep)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(report + "\n")
+        return 0
     _register_delta_rows()
     _load_row_modules(args.module)
     ops = args.ops.split(",") if args.ops else list(ROWS)

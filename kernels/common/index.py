@@ -40,3 +40,14 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, dev
     chunk_indices = torch.stack([seq, idx], 1).to(torch.int32).contiguous()
     return ChunkPlan(cu.to(torch.int32).contiguous(), chunk_indices, offsets.to(torch.int32).contiguous(),
                      num_seqs, num_chunks, chunk_size)
+
+
+# Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_fwd", "wy_bwd", "output_fwd",
+# "output_bwd_dv", "output_bwd_dqk") -> {"BV": .., "num_warps": .., "num_stages": ..}. Empty in normal
+# use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in heuristics.
+TUNING: dict[str, dict] = {}
+
+
+def tuned(stage: str, **defaults) -> dict:
+    """The stage's launch parameters: the heuristic defaults, overridden by ``TUNING[stage]``."""
+    return {**defaults, **TUNING.get(stage, {})}

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.index import ChunkPlan, tuned
 from ttr.kernels.common.tile import tile
 
 
@@ -165,9 +165,10 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
     o = torch.empty_like(v)
-    output_fwd_kernel[(triton.cdiv(V, BV), plan.num_chunks, H)](
+    cfg = tuned("output_fwd", BV=BV)
+    output_fwd_kernel[(triton.cdiv(V, cfg['BV']), plan.num_chunks, H)](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
-        BV=BV, USE_G=g is not None)
+        USE_G=g is not None, **cfg)
     return o
 
 
@@ -178,7 +179,8 @@ def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: Chun
     BK, BV = _blocks(K, V)
     dv = torch.empty_like(do)
     output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
-                                               K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None)
+                                               K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
+                                               **tuned("output_bwd_dv"))
     return dv
 
 
@@ -196,7 +198,8 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
     output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
         q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, K=K,
-        V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None, USE_W=dv is not None)
+        V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None, USE_W=dv is not None,
+        **tuned("output_bwd_dqk"))
     if dg is not None:
         dg = dg.sum(0)
     return dq, dk, dw, dg

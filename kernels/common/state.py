@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.index import ChunkPlan, tuned
 from ttr.kernels.common.tile import tile
 
 
@@ -156,14 +156,14 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     V = u.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
+    cfg = tuned("state_fwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+    state_fwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
         k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
-        BT=plan.chunk_size, BK=BK, BV=BV, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_H0=initial_state is not None, STORE_HT=output_final_state, num_warps=num_warps,
-        num_stages=num_stages)
+        BT=plan.chunk_size, BK=BK, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
     return h, v_new, ht
 
 
@@ -175,12 +175,12 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     V = do.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
+    cfg = tuned("state_bwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+    state_bwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, K=K, V=V,
-        BT=plan.chunk_size, BK=BK, BV=BV, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, num_warps=num_warps,
-        num_stages=num_stages)
+        BT=plan.chunk_size, BK=BK, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg)
     return dh, dh0, dv2

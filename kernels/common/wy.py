@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.index import ChunkPlan, tuned
 from ttr.kernels.common.tile import tile
 
 
@@ -250,7 +250,8 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
     if not reuse:
         Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
     wy_fwd_kernel[(plan.num_chunks, H)](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
-                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, REUSE_AI=reuse)
+                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, REUSE_AI=reuse,
+                                         **tuned("wy_fwd"))
     return w, u, Ai
 
 
@@ -268,5 +269,5 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
                                          plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
                                          BK=BK, BV=BV, USE_G=g is not None, HAS_DK=dk is not None,
-                                         HAS_DG=dg is not None)
+                                         HAS_DG=dg is not None, **tuned("wy_bwd"))
     return dk_out, dv, dbeta, dg_out

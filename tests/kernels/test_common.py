@@ -1,0 +1,126 @@
+"""Engine stages (ttr.kernels.common) on the paths the delta rules do not take: per-key gates,
+no WY correction (GLA / SSD style), the cumulative sums; Triton under the interpreter vs float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttr.kernels.common.cumsum import chunk_local_cumsum
+from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd
+
+CASES = [(2, 65, None), (1, 130, [0, 1, 64, 130])]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def spans(B, T, cu):
+    return [(b, 0, T) for b in range(B)] if cu is None else [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def reference_states(k, v, g, gk, h0, B, T, cu, chunk=64):
+    """Per-token linear recurrence ``S <- decay S + k v^T``; returns the state before each chunk
+    (per sequence, chunk order) and the final states."""
+    starts, finals = [], []
+    for n, (b, s, e) in enumerate(spans(B, T, cu)):
+        S = h0[n]
+        for t in range(s, e):
+            if (t - s) % chunk == 0:
+                starts.append(S)
+            if g is not None:
+                S = S * g[b, t].exp()[:, None, None]
+            if gk is not None:
+                S = S * gk[b, t].exp()[:, :, None]
+            S = S + k[b, t][:, :, None] * v[b, t][:, None, :]
+        finals.append(S)
+    return torch.stack(starts), torch.stack(finals)
+
+
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("vector", [False, True])
+def test_chunk_local_cumsum(B, T, cu, vector):
+    shape = (B, T, 2, 20) if vector else (B, T, 2)
+    g = -torch.rand(shape)
+    plan = prepare_chunks(torch.tensor(cu) if cu else None, B, T)
+    out, back = chunk_local_cumsum(g, plan), chunk_local_cumsum(g, plan, reverse=True)
+    for b, s, e in spans(B, T, cu):
+        for c0 in range(s, e, 64):
+            c1 = min(c0 + 64, e)
+            x = g[b, c0:c1]
+            assert torch.allclose(out[b, c0:c1], x.cumsum(0), atol=1e-5)
+            assert torch.allclose(back[b, c0:c1], x.flip(0).cumsum(0).flip(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("B,T,cu", CASES)
+def test_scalar_gate_linear_attention_fwd_bwd(B, T, cu):
+    """SSD / simple-GLA composition: cumsum -> state_fwd (no w) -> output, and the backward chain."""
+    H, K, V, scale = 2, 20, 24, 0.3
+    N = B if cu is None else len(cu) - 1
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
+    g = F.logsigmoid(torch.randn(B, T, H) + 2)
+    h0, do, dht = torch.randn(N, H, K, V), torch.randn(B, T, H, V), torch.randn(N, H, K, V)
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
+    plan = prepare_chunks(cu_t, B, T)
+    gc = chunk_local_cumsum(g, plan)
+    h, v_new, ht = state_fwd(k, v, plan, g=gc, initial_state=h0, output_final_state=True)
+    assert v_new is v
+    o = output_fwd(q, k, v, h, plan, scale=scale, g=gc)
+    dvl = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, dh0, dv = state_bwd(q, k, do, dvl, plan, scale=scale, g=gc, dht=dht, need_dh0=True)
+    dq, dk, dw, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc)
+    assert dw is None
+    dg = chunk_local_cumsum(dgc, plan, reverse=True)
+
+    x = {n: t.double().requires_grad_(True) for n, t in dict(q=q, k=k, v=v, g=g, h0=h0).items()}
+    outs, finals = [], []
+    for n, (b, s, e) in enumerate(spans(B, T, cu)):
+        S = x["h0"][n]
+        for t in range(s, e):
+            S = S * x["g"][b, t].exp()[:, None, None] + x["k"][b, t][:, :, None] * x["v"][b, t][:, None, :]
+            outs.append((b, t, torch.einsum("hk,hkv->hv", x["q"][b, t] * scale, S)))
+        finals.append(S)
+    o_ref = torch.zeros(B, T, H, V, dtype=torch.float64)
+    for b, t, val in outs:
+        o_ref = o_ref.index_put((torch.tensor(b), torch.tensor(t)), val)
+    ht_ref = torch.stack(finals)
+    ((o_ref * do.double()).sum() + (ht_ref * dht.double()).sum()).backward()
+    assert rel(o, o_ref) < 1e-5 and rel(ht, ht_ref) < 1e-5
+    for name, got in dict(q=dq, k=dk, v=dv, g=dg, h0=dh0).items():
+        assert rel(got, x[name].grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("B,T,cu", CASES)
+def test_vector_gate_state_pass_fwd_bwd(B, T, cu):
+    """GLA's state stage: per-key decay, no WY correction, forward states and the reverse pass."""
+    H, K, V, scale = 2, 20, 24, 0.5
+    N = B if cu is None else len(cu) - 1
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
+    gk = F.logsigmoid(torch.randn(B, T, H, K) + 3)
+    h0, do, dht = torch.randn(N, H, K, V), torch.randn(B, T, H, V), torch.randn(N, H, K, V)
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
+    plan = prepare_chunks(cu_t, B, T)
+    gkc = chunk_local_cumsum(gk, plan)
+    h, _, ht = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True)
+    _, dh0, dv = state_bwd(q, k, do, torch.zeros_like(v), plan, scale=scale, gk=gkc, dht=dht, need_dh0=True)
+
+    x = {n: t.double().requires_grad_(True) for n, t in dict(v=v, h0=h0).items()}
+    h_ref, ht_ref = reference_states(k.double(), x["v"], None, gk.double(), x["h0"], B, T, cu)
+    assert rel(h, h_ref) < 1e-5 and rel(ht, ht_ref) < 1e-5
+    # the inter-chunk output term the state pass back-propagates: scale (q ⊙ exp(gk_cum)) h[c]
+    loss = (ht_ref * dht.double()).sum()
+    i = 0
+    for b, s, e in spans(B, T, cu):
+        for c0 in range(s, e, 64):
+            c1 = min(c0 + 64, e)
+            qg = q[b, c0:c1].double() * gkc[b, c0:c1].double().exp()
+            loss = loss + scale * torch.einsum("thk,hkv,thv->", qg, h_ref[i], do[b, c0:c1].double())
+            i += 1
+    loss.backward()
+    assert rel(dv, x["v"].grad) < 1e-4 and rel(dh0, x["h0"].grad) < 1e-4
