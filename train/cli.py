@@ -2,7 +2,8 @@
 
 Without a config it runs the embedded default (``configs/default.toml`` on CPU,
 ``configs/default_gpu.toml`` when CUDA is available). ``--nproc N`` re-launches itself through
-``accelerate launch --num_processes N -m ttr.train`` (FSDP2 on GPUs, DDP on CPU).
+``accelerate launch --num_processes N -m ttr.train`` (FSDP2 on GPUs; on CPU through
+``torch.distributed.run``, DDP over gloo).
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def launch_command(nproc: int, argv: list[str]) -> list[str]:
+    """``accelerate launch --multi_gpu`` on GPUs; on CPU ``torch.distributed.run`` (accelerate's
+    launcher refuses ``--cpu`` with several processes; the Accelerator then runs DDP over gloo)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
-    if not torch.cuda.is_available():
-        cmd.append("--cpu")
+    if torch.cuda.is_available():
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
+        cmd += ["--multi_gpu"] if nproc > 1 else []
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     return cmd + ["-m", "ttr.train", *argv]
 
 
