@@ -90,6 +90,7 @@ def chunk_gla(
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    if kernel_backend(q) == "torch" or q.dtype == torch.float64:
+    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
         return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)

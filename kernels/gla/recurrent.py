@@ -49,7 +49,8 @@ def recurrent_kernel(q, k, v, g, o, h0, ht, cu_seqlens, scale, H: tl.constexpr, 
 
 def recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
     """Validated inputs -> ``(o, final_state or None)``; Triton unless the backend is torch or float64."""
-    if kernel_backend(q) == "torch" or q.dtype == torch.float64:
+    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
         return recurrence(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -60,7 +60,8 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 
 def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    if kernel_backend(q) == "torch" or q.dtype == torch.float64:
+    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
         return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 

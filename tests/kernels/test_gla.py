@@ -80,7 +80,7 @@ def test_strong_decay_is_finite(backend):
 
 
 def test_packed(backend):
-    lengths = [1, 63, 64, 130]
+    lengths = [1, 63, 0, 64, 130]  # an empty document passes its initial state through
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v, g, h0 = make_inputs(1, sum(lengths), 2, 6, 5, h0=True, n=len(lengths))
     check(chunk_gla, reference_gla, q, k, v, g, h0, cu)
@@ -139,8 +139,8 @@ def test_errors(monkeypatch):
 
 
 def test_recurrent_packed(backend):
-    cu = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
-    q, k, v, g, h0 = make_inputs(1, 12, 2, 5, 7, h0=True, n=3)
+    cu = torch.tensor([0, 1, 1, 5, 12], dtype=torch.int32)
+    q, k, v, g, h0 = make_inputs(1, 12, 2, 5, 7, h0=True, n=4)
     o, f = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     o_ref, f_ref = reference_gla(*(x.double() for x in (q, k, v, g)), initial_state=h0.double(),
                                  output_final_state=True, cu_seqlens=cu)
