@@ -145,3 +145,15 @@ def test_recurrent_packed(backend):
     o_ref, f_ref = reference_gla(*(x.double() for x in (q, k, v, g)), initial_state=h0.double(),
                                  output_final_state=True, cu_seqlens=cu)
     assert rel_rms(o, o_ref) < TOL and rel_rms(f, f_ref) < TOL
+
+
+def test_fp16(backend):
+    # fp16 q/k/v exercise the kernels' casts (the interpreter cannot load bf16); grads in input dtypes
+    q, k, v, g, h0 = make_inputs(1, 130, 2, 16, 16, h0=True)
+    q, k, v = (x.half() for x in (q, k, v))
+    o, final, grads = run(chunk_gla, q, k, v, g, h0, None, upcast=False)
+    o_ref, final_ref, grads_ref = run(reference_gla, q, k, v, g, h0, None, upcast=True)
+    assert o.dtype == torch.float16 and final.dtype == torch.float32
+    assert [x.dtype for x in grads] == [torch.float16] * 3 + [torch.float32] * 2
+    for a, b in zip([o, final, *grads], [o_ref, final_ref, *grads_ref]):
+        assert rel_rms(a, b) < 2e-3

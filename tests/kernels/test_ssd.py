@@ -176,3 +176,14 @@ def test_errors():
         chunk_simple_gla(q, k, v[:, :3], g)
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_simple_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_fp16(backend):
+    # fp16 x/B/C exercise the kernels' casts (the interpreter cannot load bf16)
+    (x, dt, A, B, C), h0 = ssd_inputs(1, 130, 4, 2, 16, 16, h0=True)
+    x, B, C = x.half(), B.half(), C.half()
+    y, final, grads = run(chunk_ssd, (x, dt, A, B, C), h0, None, upcast=False)
+    y_ref, final_ref, grads_ref = run(reference_ssd, (x, dt, A, B, C), h0, None, upcast=True)
+    assert y.dtype == torch.float16 and final.dtype == torch.float32
+    for a, b in zip([y, final, *grads], [y_ref, final_ref, *grads_ref]):
+        assert rel_rms(a, b) < 2e-3
