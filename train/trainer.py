@@ -59,8 +59,15 @@ class Trainer:
         if mode == "fsdp":
             from accelerate.utils import FullyShardedDataParallelPlugin
 
+            policy = None
+            if precision == "bf16":  # bf16 compute, fp32 gradient reduction; sharded params stay fp32
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                              output_dtype=torch.bfloat16)
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
                 fsdp_version=2,
+                mixed_precision_policy=policy,
                 reshard_after_forward=True,
                 auto_wrap_policy="transformer_based_wrap",
                 state_dict_type="SHARDED_STATE_DICT",
@@ -167,7 +174,10 @@ class Trainer:
         if t.activation_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise ValueError("train.activation_checkpointing: this model does not support it")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config = getattr(model, "config", None)
         self.flops_per_token = train_flops_per_token(model, self.config, t.seq_len) if self.config else None
         self.num_params = sum(p.numel() for p in model.parameters())

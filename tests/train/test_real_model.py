@@ -82,3 +82,17 @@ def test_flop_formulas():
     assert train_flops_per_token(linear, cfg, 256) == 3 * (2 * (32 + 8) + gdn + swa)
     with pytest.raises(ValueError, match="layer_type"):
         mixer_flops_per_token("lstm", cfg, 16)
+
+
+def test_activation_checkpointing_gives_the_same_steps(corpus_dir, cache_dir, tmp_path):
+    from ttr.train.config import config_from_dict
+    from ttr.train.trainer import Trainer
+
+    losses = []
+    for ac in (False, True):
+        table = tiny_config(corpus_dir, cache_dir, tmp_path / f"ac{ac}", train={"max_steps": 3,
+                                                                               "activation_checkpointing": ac})
+        trainer = Trainer(config_from_dict(table))
+        trainer.run()
+        losses.append([r["loss"] for r in trainer.history])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
