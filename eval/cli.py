@@ -14,7 +14,9 @@ def _csv(kind):
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {kind.__name__} values, got {text!r}"
+            ) from None
 
     return parse
 
@@ -71,12 +73,21 @@ def _ppl(args) -> int:
 
     model, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device)
     docs = read_documents(
-        args.data, text_field=args.text_field, split=args.split, hf_config=args.hf_config, max_documents=args.max_documents
+        args.data,
+        text_field=args.text_field,
+        split=args.split,
+        hf_config=args.hf_config,
+        max_documents=args.max_documents,
     )
     context = training_context(model.config, args.max_length)
     window = args.window if args.window is not None else context
     result = perplexity(
-        model, tokenizer, docs, mode=args.mode, window=window if args.mode == "window" else None, stride=args.stride
+        model,
+        tokenizer,
+        docs,
+        mode=args.mode,
+        window=window if args.mode == "window" else None,
+        stride=args.stride,
     )
     print(
         f"{result['documents']} documents, {result['tokens']} tokens: token ppl {result['token_perplexity']:.4f}, "
@@ -85,7 +96,12 @@ def _ppl(args) -> int:
     )
     if args.sweep_factor:
         sweep = extrapolation_sweep(
-            model, tokenizer, docs, context=context, factor=args.sweep_factor, max_sequences=args.sweep_sequences,
+            model,
+            tokenizer,
+            docs,
+            context=context,
+            factor=args.sweep_factor,
+            max_sequences=args.sweep_sequences,
             batch_size=args.batch_size,
         )
         result["sweep"] = sweep
@@ -101,8 +117,11 @@ def _ppl(args) -> int:
 
 def _mqar(args) -> int:
     from ttr.eval import mqar
-    from ttr.eval.synthetic import run_jobs
+    from ttr.eval.synthetic import MIXERS, run_jobs
 
+    unknown = [m for m in args.mixer if m not in MIXERS]
+    if unknown:
+        raise SystemExit(f"ttr eval mqar: --mixer: unknown {unknown}; expected some of {list(MIXERS)}")
     overrides = dict(args.set or [])
     jobs = []
     for mixer in args.mixer:
@@ -111,23 +130,42 @@ def _mqar(args) -> int:
             for lr in args.lrs:
                 jobs.append(
                     dict(
-                        index=len(jobs), mixer=mixer, d_model=d_model, num_heads=args.num_heads, lr=lr, label=label,
-                        seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
-                        eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
-                        train_configs=args.train_configs, test_configs=args.test_configs, device=args.device,
-                        amp=not args.no_amp, overrides=overrides, max_seconds=_seconds(args.max_minutes),
+                        index=len(jobs),
+                        mixer=mixer,
+                        d_model=d_model,
+                        num_heads=args.num_heads,
+                        lr=lr,
+                        label=label,
+                        seed=args.seed,
+                        vocab_size=args.vocab_size,
+                        batch_size=args.batch_size,
+                        eval_batch_size=args.eval_batch_size,
+                        steps=args.steps,
+                        epochs=args.epochs,
+                        train_configs=args.train_configs,
+                        test_configs=args.test_configs,
+                        device=args.device,
+                        amp=not args.no_amp,
+                        overrides=overrides,
+                        max_seconds=_seconds(args.max_minutes),
                     )
                 )
     results = run_jobs(mqar.run_job, jobs, args.jobs)
     table = mqar.markdown_table(results)
     print(table)
     for label, r in sorted(mqar.best_by_label(results).items()):
-        print(f"best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)")
+        print(
+            f"best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)"
+        )
     _write(args.output, "mqar.md", table)
     _write(args.output, "mqar.json", results)
-    png = os.path.join(args.output, "mqar.png")
-    mqar.plot(results, png)
-    print(f"wrote {args.output}/mqar.md, mqar.json, mqar.png")
+    print(f"wrote {args.output}/mqar.md, mqar.json")
+    try:
+        mqar.plot(results, os.path.join(args.output, "mqar.png"))
+    except ImportError:
+        print("matplotlib is not installed: no mqar.png", file=sys.stderr)
+        return 0
+    print(f"wrote {args.output}/mqar.png")
     return 0
 
 
@@ -149,12 +187,27 @@ def _state(args) -> int:
             for lr in args.lrs:
                 jobs.append(
                     dict(
-                        index=len(jobs), task=task, label=label, mixer=mixer, overrides=ov, lr=lr, seed=args.seed,
-                        d_model=args.d_model, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-                        num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
-                        train_min=args.train_min, train_max=args.train_max, eval_lengths=args.eval_lengths,
-                        eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size, device=args.device,
-                        amp=not args.no_amp, max_seconds=_seconds(args.max_minutes),
+                        index=len(jobs),
+                        task=task,
+                        label=label,
+                        mixer=mixer,
+                        overrides=ov,
+                        lr=lr,
+                        seed=args.seed,
+                        d_model=args.d_model,
+                        num_layers=args.num_layers,
+                        intermediate_size=args.intermediate_size,
+                        num_heads=args.num_heads,
+                        steps=args.steps,
+                        batch_size=args.batch_size,
+                        train_min=args.train_min,
+                        train_max=args.train_max,
+                        eval_lengths=args.eval_lengths,
+                        eval_examples=args.eval_examples,
+                        eval_batch_size=args.eval_batch_size,
+                        device=args.device,
+                        amp=not args.no_amp,
+                        max_seconds=_seconds(args.max_minutes),
                     )
                 )
     results = run_jobs(st.run_job, jobs, args.jobs)
@@ -178,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", action="append", help="directory of extra task YAMLs (repeatable)")
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, help="context length (default: the training context in the config)")
+    p.add_argument(
+        "--max-length", type=int, help="context length (default: the training context in the config)"
+    )
     p.add_argument("--limit", type=float, help="examples per task (fraction if < 1)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
@@ -188,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ppl", help="token/word/byte perplexity, bits per byte, length-extrapolation sweep")
     p.add_argument("checkpoint")
-    p.add_argument("data", help="file, directory or glob of .txt/.jsonl/.parquet, or a Hugging Face dataset name")
+    p.add_argument(
+        "data", help="file, directory or glob of .txt/.jsonl/.parquet, or a Hugging Face dataset name"
+    )
     p.add_argument("--text-field", default="text")
     p.add_argument("--split", default="test", help="Hugging Face dataset split")
     p.add_argument("--hf-config", help="Hugging Face dataset configuration name")
@@ -197,7 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, help="sliding window in tokens (default: the training context)")
     p.add_argument("--stride", type=int, help="window stride (default: window / 2)")
     p.add_argument("--max-length", type=int, help="training context (default: from the config)")
-    p.add_argument("--sweep-factor", type=int, default=0, help="extrapolation sweep to FACTOR x the training context (0: off)")
+    p.add_argument(
+        "--sweep-factor",
+        type=int,
+        default=0,
+        help="extrapolation sweep to FACTOR x the training context (0: off)",
+    )
     p.add_argument("--sweep-sequences", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=1, help="sequences per forward in the sweep")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -216,12 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=int, default=250)
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     fmt = lambda cs: ",".join(f"{c.seq_len}:{c.num_kv_pairs}:{c.num_examples}" for c in cs)
-    p.add_argument("--train-configs", type=parse_configs, default=TRAIN_CONFIGS, help=f"default {fmt(TRAIN_CONFIGS)}")
-    p.add_argument("--test-configs", type=parse_configs, default=TEST_CONFIGS, help=f"default {fmt(TEST_CONFIGS)}")
-    p.add_argument("--set", type=_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field")
+    p.add_argument(
+        "--train-configs", type=parse_configs, default=TRAIN_CONFIGS, help=f"default {fmt(TRAIN_CONFIGS)}"
+    )
+    p.add_argument(
+        "--test-configs", type=parse_configs, default=TEST_CONFIGS, help=f"default {fmt(TEST_CONFIGS)}"
+    )
+    p.add_argument(
+        "--set", type=_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (several fit on one GPU)")
-    p.add_argument("--max-minutes", type=float, help="training time budget per job; the lr schedule follows it")
+    p.add_argument(
+        "--max-minutes", type=float, help="training time budget per job; the lr schedule follows it"
+    )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true", help="fp32 on GPU instead of bf16 autocast")
     p.add_argument("--output", default="eval_results/mqar")
@@ -229,8 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("state", help="state tracking: parity, modular arithmetic (with/without brackets)")
     p.add_argument("--task", type=_csv(str), default=["parity"])
-    p.add_argument("--variants", type=lambda s: [v.strip() for v in s.split(";") if v.strip()],
-                   help="';'-separated variant labels (default: all)")
+    p.add_argument(
+        "--variants",
+        type=lambda s: [v.strip() for v in s.split(";") if v.strip()],
+        help="';'-separated variant labels (default: all)",
+    )
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=128)
@@ -245,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--max-minutes", type=float, help="training time budget per job; the lr schedule follows it")
+    p.add_argument(
+        "--max-minutes", type=float, help="training time budget per job; the lr schedule follows it"
+    )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true")
     p.add_argument("--output", default="eval_results/state")

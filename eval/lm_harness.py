@@ -121,7 +121,12 @@ def evaluate(
     was_training = getattr(model, "training", False)
     try:
         lm = TTRLM(
-            model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, dtype=dtype, device=device
+            model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=max_length,
+            dtype=dtype,
+            device=device,
         )
         results = simple_evaluate(
             model=lm,

@@ -84,7 +84,9 @@ def generate_mqar(
     if num_examples < 1:
         raise ValueError(f"num_examples: expected >= 1, got {num_examples}")
     if num_kv_pairs < 1 or 4 * num_kv_pairs > seq_len:
-        raise ValueError(f"num_kv_pairs: expected 1 <= num_kv_pairs <= seq_len / 4 = {seq_len // 4}, got {num_kv_pairs}")
+        raise ValueError(
+            f"num_kv_pairs: expected 1 <= num_kv_pairs <= seq_len / 4 = {seq_len // 4}, got {num_kv_pairs}"
+        )
     if num_kv_pairs > key_vocab - 1:
         raise ValueError(f"vocab_size: {vocab_size} has only {key_vocab - 1} keys for {num_kv_pairs} pairs")
     if not 0 < power_a <= 1:
@@ -99,7 +101,9 @@ def generate_mqar(
         n = min(chunk, num_examples - start)
         keys = torch.multinomial(torch.ones(n, key_vocab - 1, device=device), num_kv_pairs, generator=gen) + 1
         values = (
-            torch.multinomial(torch.ones(n, vocab_size - key_vocab, device=device), num_kv_pairs, generator=gen)
+            torch.multinomial(
+                torch.ones(n, vocab_size - key_vocab, device=device), num_kv_pairs, generator=gen
+            )
             + key_vocab
         )
         gaps = torch.multinomial(gap_p.expand(n, space), num_kv_pairs, generator=gen)
@@ -139,7 +143,9 @@ class MixtureBatches:
             for i, (x, _) in enumerate(self.data):
                 perm = torch.randperm(x.shape[0], generator=self.gen)
                 n = max(1, x.shape[0] // self.batch_size)
-                self.queue.extend((i, perm[j * self.batch_size : (j + 1) * self.batch_size]) for j in range(n))
+                self.queue.extend(
+                    (i, perm[j * self.batch_size : (j + 1) * self.batch_size]) for j in range(n)
+                )
             self.rng.shuffle(self.queue)
         i, idx = self.queue.pop()
         x, y = self.data[i]
@@ -154,12 +160,19 @@ def run_job(job: dict) -> dict:
     torch.manual_seed(job["seed"])
     vocab = job["vocab_size"]
     train_data = [
-        generate_mqar(c.num_examples, c.seq_len, c.num_kv_pairs, vocab_size=vocab, seed=job["seed"] + i, device=device)
+        generate_mqar(
+            c.num_examples, c.seq_len, c.num_kv_pairs, vocab_size=vocab, seed=job["seed"] + i, device=device
+        )
         for i, c in enumerate(job["train_configs"])
     ]
     test_data = [
         generate_mqar(
-            c.num_examples, c.seq_len, c.num_kv_pairs, vocab_size=vocab, seed=10_000 + job["seed"] + i, device=device
+            c.num_examples,
+            c.seq_len,
+            c.num_kv_pairs,
+            vocab_size=vocab,
+            seed=10_000 + job["seed"] + i,
+            device=device,
         )
         for i, c in enumerate(job["test_configs"])
     ]
@@ -178,7 +191,9 @@ def run_job(job: dict) -> dict:
     steps = job["steps"] or job["epochs"] * batches.batches_per_epoch()
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
-    losses = train(model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp)
+    losses = train(
+        model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp
+    )
     correct = total = 0
     per_config = {}
     for c, (x, y) in zip(job["test_configs"], test_data):

@@ -49,7 +49,9 @@ def read_documents(
     if max_documents is not None and max_documents < 1:
         raise ValueError(f"max_documents: expected >= 1, got {max_documents}")
     if os.path.isdir(data):
-        paths = sorted(p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p))
+        paths = sorted(
+            p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p)
+        )
     elif os.path.isfile(data):
         paths = [data]
     elif glob.has_magic(data):
@@ -90,7 +92,9 @@ def _file_documents(path: str, text_field: str) -> list[str]:
 
         table = pq.read_table(path, columns=[text_field])
         return table.column(text_field).to_pylist()
-    raise ValueError(f"data: unsupported file type {ext!r} ({path}); expected .txt, .md, .jsonl, .json or .parquet")
+    raise ValueError(
+        f"data: unsupported file type {ext!r} ({path}); expected .txt, .md, .jsonl, .json or .parquet"
+    )
 
 
 def _hf_documents(name, text_field, split, hf_config, max_documents) -> list[str]:

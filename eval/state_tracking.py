@@ -97,7 +97,11 @@ def brackets_example(length: int, rng: random.Random) -> tuple[list[int], list[i
     return [*tokens, EQUALS], [-100] * len(tokens) + [value]
 
 
-EXAMPLES = {"parity": parity_example, "modular_arithmetic": modular_example, "modular_arithmetic_brackets": brackets_example}
+EXAMPLES = {
+    "parity": parity_example,
+    "modular_arithmetic": modular_example,
+    "modular_arithmetic_brackets": brackets_example,
+}
 
 
 def make_batch(
@@ -153,7 +157,9 @@ def run_job(job: dict) -> dict:
         context=max(job["eval_lengths"]),
         **job.get("overrides", {}),
     ).to(device)
-    batches = training_batches(job["task"], job["batch_size"], job["train_min"], job["train_max"], job["seed"])
+    batches = training_batches(
+        job["task"], job["batch_size"], job["train_min"], job["train_max"], job["seed"]
+    )
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
     losses = train(

@@ -204,6 +204,9 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], workers: int) -> list
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     with ProcessPoolExecutor(
-        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads, initargs=(threads,)
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=torch.set_num_threads,
+        initargs=(threads,),
     ) as pool:
         return list(pool.map(fn, jobs))

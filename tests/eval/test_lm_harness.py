@@ -19,7 +19,11 @@ from ttr.eval.lm_harness import TTRLM, write_results  # noqa: E402
 MC_DOCS = [
     {"question": "the cat sat on the", "choices": ["mat", "dog", "log"], "answer": 0},
     {"question": "a quick brown", "choices": ["fox", "cat"], "answer": 0},
-    {"question": "one two three four five six seven eight nine", "choices": ["ten", "one", "seven"], "answer": 0},
+    {
+        "question": "one two three four five six seven eight nine",
+        "choices": ["ten", "one", "seven"],
+        "answer": 0,
+    },
     {"question": "paris is the capital of", "choices": ["france", "italy"], "answer": 1},
 ]
 GEN_DOCS = [
@@ -122,7 +126,12 @@ def test_loglikelihood_task_matches_direct(setup, tmp_path):
 def test_generate_until_task_matches_direct(setup):
     root, model, tokenizer = setup
     results = evaluate(
-        model, "ttr_test_gen", tokenizer=tokenizer, batch_size=2, include_path=root / "tasks", log_samples=True
+        model,
+        "ttr_test_gen",
+        tokenizer=tokenizer,
+        batch_size=2,
+        include_path=root / "tasks",
+        log_samples=True,
     )
     samples = results["samples"]["ttr_test_gen"]
     matches = 0
@@ -145,3 +154,33 @@ def test_max_length_is_training_context_and_batch_size_fixed(setup):
         TTRLM(model)
     with pytest.raises(ValueError, match="tasks"):
         evaluate(model, [], tokenizer=tokenizer)
+
+
+def test_cli_lm_writes_json_and_markdown(setup, tmp_path, capsys):
+    from ttr.eval.cli import main
+
+    root, model, tokenizer = setup
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "lm",
+            str(root / "ckpt"),
+            "--tasks",
+            "ttr_test_mc",
+            "--include-path",
+            str(root / "tasks"),
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "4",
+            "--output",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    acc = json.loads((out / "results.json").read_text())["results"]["ttr_test_mc"]["acc,none"]
+    direct = evaluate(model, ["ttr_test_mc"], tokenizer=tokenizer, include_path=root / "tasks")
+    assert acc == direct["results"]["ttr_test_mc"]["acc,none"]
+    assert "ttr_test_mc" in (out / "results.md").read_text() and "acc" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["mqar", "--mixer", "lstm"])

@@ -44,7 +44,13 @@ def test_gaps_follow_a_power_law_and_seeds_reproduce():
 
 
 def test_protocol_configs_and_validation():
-    assert [(c.seq_len, c.num_kv_pairs) for c in TRAIN_CONFIGS] == [(64, 4), (128, 8), (256, 16), (256, 32), (256, 64)]
+    assert [(c.seq_len, c.num_kv_pairs) for c in TRAIN_CONFIGS] == [
+        (64, 4),
+        (128, 8),
+        (256, 16),
+        (256, 32),
+        (256, 64),
+    ]
     assert (TEST_CONFIGS[0].seq_len, TEST_CONFIGS[0].num_kv_pairs) == (64, 4)
     assert [(c.seq_len, c.num_kv_pairs) for c in TEST_CONFIGS[-2:]] == [(512, 128), (1024, 256)]
     assert parse_configs("16:2:10,32:4:20")[1].num_examples == 20
@@ -75,11 +81,31 @@ def test_state_size_by_mixer():
 
 def test_tiny_mqar_run_learns_above_chance(tmp_path):
     out = tmp_path / "mqar"
-    rc = main([
-        "mqar", "--mixer", "gated_deltanet", "--d-model", "32", "--lrs", "1e-2", "--steps", "250",
-        "--batch-size", "32", "--vocab-size", "32", "--train-configs", "16:2:4000,16:4:4000",
-        "--test-configs", "16:2:256,16:4:256", "--device", "cpu", "--output", str(out),
-    ])
+    rc = main(
+        [
+            "mqar",
+            "--mixer",
+            "gated_deltanet",
+            "--d-model",
+            "32",
+            "--lrs",
+            "1e-2",
+            "--steps",
+            "250",
+            "--batch-size",
+            "32",
+            "--vocab-size",
+            "32",
+            "--train-configs",
+            "16:2:4000,16:4:4000",
+            "--test-configs",
+            "16:2:256,16:4:256",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     (result,) = json.loads((out / "mqar.json").read_text())
     # chance is 1/16 (value half of a 32-token vocabulary); copying a random context value gives

@@ -98,7 +98,9 @@ def test_extrapolation_sweep_matches_direct(ckpt):
 
 def test_readers(tmp_path):
     (tmp_path / "a.txt").write_text("first document")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"content": "second"}) + "\n\n" + json.dumps({"content": "third"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"content": "second"}) + "\n\n" + json.dumps({"content": "third"}) + "\n"
+    )
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -119,7 +121,9 @@ def test_cli_ppl_with_sweep(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["ppl", str(path), str(data), "--sweep-factor", "2", "--output", str(out)]) == 0
     result = json.loads((out / "perplexity.json").read_text())
-    assert result["token_perplexity"] == pytest.approx(perplexity(model, tokenizer, DOCS * 3)["token_perplexity"], rel=1e-5)
+    assert result["token_perplexity"] == pytest.approx(
+        perplexity(model, tokenizer, DOCS * 3)["token_perplexity"], rel=1e-5
+    )
     assert result["sweep"]["context"] == 16 and result["sweep"]["length"] == 32
     assert (out / "extrapolation.png").stat().st_size > 0
     assert "bits/byte" in capsys.readouterr().out

@@ -65,26 +65,68 @@ def test_batches_pad_and_final_only():
 
 def test_cli_state_run(tmp_path):
     out = tmp_path / "state"
-    rc = main([
-        "state", "--task", "parity,modular_arithmetic_brackets", "--variants", "delta_net beta(0,2)",
-        "--d-model", "16", "--intermediate-size", "0", "--lrs", "1e-2", "--steps", "3", "--batch-size", "4",
-        "--train-max", "8", "--eval-lengths", "8,16", "--eval-examples", "8", "--device", "cpu", "--output", str(out),
-    ])
+    rc = main(
+        [
+            "state",
+            "--task",
+            "parity,modular_arithmetic_brackets",
+            "--variants",
+            "delta_net beta(0,2)",
+            "--d-model",
+            "16",
+            "--intermediate-size",
+            "0",
+            "--lrs",
+            "1e-2",
+            "--steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--train-max",
+            "8",
+            "--eval-lengths",
+            "8,16",
+            "--eval-examples",
+            "8",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "state_tracking.json").read_text())
     assert {(r["task"], r["label"]) for r in results} == {
-        ("parity", "delta_net beta(0,2)"), ("modular_arithmetic_brackets", "delta_net beta(0,2)")
+        ("parity", "delta_net beta(0,2)"),
+        ("modular_arithmetic_brackets", "delta_net beta(0,2)"),
     }
     assert all(set(r["per_length"]) == {"8", "16"} for r in results)
     assert "delta_net beta(0,2)" in (out / "state_tracking.md").read_text()
 
 
 def _parity(label, neg):
-    return st.run_job(dict(
-        task="parity", label=label, mixer="delta_net", overrides={"allow_neg_eigval": neg}, lr=3e-3, seed=0,
-        d_model=32, num_layers=1, intermediate_size=64, num_heads=1, steps=400, batch_size=32, train_min=2,
-        train_max=16, eval_lengths=[16, 32], eval_examples=256, eval_batch_size=256, device="cpu",
-    ))
+    return st.run_job(
+        dict(
+            task="parity",
+            label=label,
+            mixer="delta_net",
+            overrides={"allow_neg_eigval": neg},
+            lr=3e-3,
+            seed=0,
+            d_model=32,
+            num_layers=1,
+            intermediate_size=64,
+            num_heads=1,
+            steps=400,
+            batch_size=32,
+            train_min=2,
+            train_max=16,
+            eval_lengths=[16, 32],
+            eval_examples=256,
+            eval_batch_size=256,
+            device="cpu",
+        )
+    )
 
 
 def test_delta_rule_with_negative_eigenvalues_learns_parity():

@@ -27,9 +27,7 @@ def make_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def make_model(tokenizer, *, context: int = 64, hidden: int = 32, layer_types=("gated_deltanet", "swa")):
