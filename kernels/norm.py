@@ -12,8 +12,9 @@ Outputs have x's dtype. Backward (xhat = x * rstd, dy' = dy * silu(z) for the ga
     dz = dy * xhat * w * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
     dw = sum over rows of dy' * xhat
 
-The Triton kernels hold one row in one block (D up to 8192); the backward kernel walks a range
-of rows per program and writes one fp32 partial dw per program, reduced with torch.
+The Triton kernels hold a block of rows x the whole row (about 4096 elements, so D up to 8192 is
+one row per block and per-head norms of D = 128 take 32 rows); the backward kernel walks a strided
+set of row blocks per program and writes one fp32 partial dw per program, reduced with torch.
 """
 
 from __future__ import annotations
@@ -27,79 +28,85 @@ from ttr.kernels.utils import check_dtype, kernel_backend
 MAX_D = 8192
 
 
-def _num_warps(bd: int) -> int:
-    return min(16, max(1, bd // 256))
+def _block_rows(bd: int) -> int:
+    """Rows per block: about 4096 elements per block, so narrow rows (per-head norms) share one."""
+    return max(1, 4096 // bd)
+
+
+def _num_warps(elements: int) -> int:
+    return min(16, max(1, elements // 256))
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x, z, w, y, rstd, D, eps, HAS_Z: tl.constexpr, BD: tl.constexpr):
-    i_r = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd_kernel(
+    x, z, w, y, rstd, R, D, eps, HAS_Z: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
+):
+    i_p = tl.program_id(0)
+    o_r = i_p * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    b_x = tl.load(x + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
-    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_y = b_x * b_rstd * b_w
+    m_r, m_d = o_r < R, o_d < D
+    m_rd = m_r[:, None] & m_d[None, :]
+    o_rd = o_r.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD]
+    b_x = tl.load(x + o_rd, mask=m_rd, other=0.0).to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BR]
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_y = b_x * b_rstd[:, None] * b_w[None, :]
     if HAS_Z:
-        b_z = tl.load(z + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_z = tl.load(z + o_rd, mask=m_rd, other=0.0).to(tl.float32)
         b_y = b_y * b_z * tl.sigmoid(b_z)
-    tl.store(y + i_r * D + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
-    tl.store(rstd + i_r, b_rstd)
+    tl.store(y + o_rd, b_y.to(y.dtype.element_ty), mask=m_rd)
+    tl.store(rstd + o_r, b_rstd, mask=m_r)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, dx, dz, dw, R, D, ROWS, HAS_Z: tl.constexpr, BD: tl.constexpr
+    x, z, w, dy, rstd, dx, dz, dw, R, D, HAS_Z: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
 ):
-    i_p = tl.program_id(0)
+    """Program i_p handles row blocks i_p, i_p + G, ... (G programs) and writes one dw partial."""
+    i_p, n_p = tl.program_id(0), tl.num_programs(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-    b_dw = tl.zeros([BD], dtype=tl.float32)
-    i_start = i_p * ROWS
-    i_end = tl.minimum(i_start + ROWS, R)
-    # 64-bit row offset once, then pointers advance by D per row (no int32 overflow in R * D)
-    o_r = i_start.to(tl.int64) * D
-    p_x, p_dy, p_dx = x + o_r + o_d, dy + o_r + o_d, dx + o_r + o_d
-    p_z, p_dz = z + o_r + o_d, dz + o_r + o_d
-    for i_r in range(i_start, i_end):
-        b_x = tl.load(p_x, mask=m_d, other=0.0).to(tl.float32)
-        b_dy = tl.load(p_dy, mask=m_d, other=0.0).to(tl.float32)
-        b_rstd = tl.load(rstd + i_r)
-        b_xhat = b_x * b_rstd
+    b_dw = tl.zeros([BR, BD], dtype=tl.float32)
+    for i_blk in range(i_p, tl.cdiv(R, BR), n_p):
+        o_r = i_blk * BR + tl.arange(0, BR)
+        m_r = o_r < R
+        m_rd = m_r[:, None] & m_d[None, :]
+        o_rd = o_r.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD]
+        b_x = tl.load(x + o_rd, mask=m_rd, other=0.0).to(tl.float32)
+        b_dy = tl.load(dy + o_rd, mask=m_rd, other=0.0).to(tl.float32)
+        b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)  # [BR]
+        b_xhat = b_x * b_rstd[:, None]
         if HAS_Z:
-            b_z = tl.load(p_z, mask=m_d, other=0.0).to(tl.float32)
+            b_z = tl.load(z + o_rd, mask=m_rd, other=0.0).to(tl.float32)
             b_sig = tl.sigmoid(b_z)
-            b_dz = b_dy * b_xhat * b_w * b_sig * (1.0 + b_z * (1.0 - b_sig))
-            tl.store(p_dz, b_dz.to(dz.dtype.element_ty), mask=m_d)
+            b_dz = b_dy * b_xhat * b_w[None, :] * b_sig * (1.0 + b_z * (1.0 - b_sig))
+            tl.store(dz + o_rd, b_dz.to(dz.dtype.element_ty), mask=m_rd)
             b_dy = b_dy * b_z * b_sig
         b_dw += b_dy * b_xhat
-        b_wdy = b_dy * b_w
-        b_dx = b_rstd * (b_wdy - b_xhat * (tl.sum(b_wdy * b_xhat, axis=0) / D))
-        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=m_d)
-        p_x += D
-        p_dy += D
-        p_dx += D
-        p_z += D
-        p_dz += D
-    tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
+        b_wdy = b_dy * b_w[None, :]
+        b_c = tl.sum(b_wdy * b_xhat, axis=1) / D  # [BR]
+        b_dx = b_rstd[:, None] * (b_wdy - b_xhat * b_c[:, None])
+        tl.store(dx + o_rd, b_dx.to(dx.dtype.element_ty), mask=m_rd)
+    tl.store(dw + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
-def _bwd_programs(rows: int, device: torch.device) -> int:
+def _bwd_programs(blocks: int, device: torch.device) -> int:
     if device.type == "cuda":
-        return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(rows, 4))
+        return max(1, min(blocks, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(blocks, 4))
 
 
 def _triton_fwd(x2, z2, w, eps):
     rows, d = x2.shape
     bd = triton.next_power_of_2(d)
+    br = _block_rows(bd)
     y = torch.empty_like(x2)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     if rows:
-        _rms_norm_fwd_kernel[(rows,)](
-            x2, z2 if z2 is not None else x2, w, y, rstd, d, eps,
-            HAS_Z=z2 is not None, BD=bd, num_warps=_num_warps(bd),
+        _rms_norm_fwd_kernel[(triton.cdiv(rows, br),)](
+            x2, z2 if z2 is not None else x2, w, y, rstd, rows, d, eps,
+            HAS_Z=z2 is not None, BR=br, BD=bd, num_warps=_num_warps(br * bd),
         )  # fmt: skip
     return y, rstd
 
@@ -107,16 +114,15 @@ def _triton_fwd(x2, z2, w, eps):
 def _triton_bwd(x2, z2, w, dy2, rstd):
     rows, d = x2.shape
     bd = triton.next_power_of_2(d)
+    br = _block_rows(bd)
     dx = torch.empty_like(x2)
     dz = torch.empty_like(z2) if z2 is not None else None
-    progs = _bwd_programs(rows, x2.device)
-    per = triton.cdiv(rows, progs) if rows else 1
-    progs = triton.cdiv(rows, per) if rows else 0
-    dw = torch.zeros(max(progs, 1), d, dtype=torch.float32, device=x2.device)
+    progs = _bwd_programs(triton.cdiv(rows, br), x2.device)
+    dw = torch.zeros(progs, d, dtype=torch.float32, device=x2.device)
     if rows:
         _rms_norm_bwd_kernel[(progs,)](
             x2, z2 if z2 is not None else x2, w, dy2, rstd, dx, dz if dz is not None else dx, dw,
-            rows, d, ROWS=per, HAS_Z=z2 is not None, BD=bd, num_warps=_num_warps(bd),
+            rows, d, HAS_Z=z2 is not None, BR=br, BD=bd, num_warps=_num_warps(br * bd),
         )  # fmt: skip
     return dx, dz, dw.sum(0).to(w.dtype)
 

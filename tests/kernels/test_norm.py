@@ -70,10 +70,10 @@ def test_gated_rms_norm(backend, shape):
 
 
 def test_many_rows_weight_grad(backend):
-    """More rows than backward programs: each program reduces a range of rows into its dw partial."""
-    x = torch.randn(37, 24, device=DEVICE)
-    z = torch.randn(37, 24, device=DEVICE)
-    w = torch.randn(24, device=DEVICE)
+    """More row blocks (4 rows of 1000) than backward programs: each program reduces several."""
+    x = torch.randn(37, 1000, device=DEVICE)
+    z = torch.randn(37, 1000, device=DEVICE)
+    w = torch.randn(1000, device=DEVICE)
     check(gated_rms_norm, reference_gated_rms_norm, (x, z, w))
 
 
