@@ -94,5 +94,6 @@ def test_activation_checkpointing_gives_the_same_steps(corpus_dir, cache_dir, tm
                                                                                "activation_checkpointing": ac})
         trainer = Trainer(config_from_dict(table))
         trainer.run()
+        assert trainer.inner.is_activation_checkpointing == ac
         losses.append([r["loss"] for r in trainer.history])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)

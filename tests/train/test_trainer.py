@@ -1,6 +1,7 @@
 """The loop on a stand-in model (fast): resume, signals, non-finite steps, accumulation, checkpoints."""
 
 import json
+import math
 import os
 import signal
 
@@ -85,3 +86,28 @@ def test_checkpoints_keep_last_and_ignore_partial(corpus_dir, cache_dir, tmp_pat
     assert latest_checkpoint(tmp_path / "k").name == "step_00000006"
     state = json.loads((latest_checkpoint(tmp_path / "k") / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["world_size"] == 1 and set(state["data"][0]) == {"epoch", "index", "offset"}
+
+
+def test_hf_and_shard_sources_through_the_loop(corpus_dir, cache_dir, tmp_path):
+    pytest.importorskip("datasets")
+    from ttr.scripts.prepare_data import main as prepare
+    from ttr.train.sources import LocalSource
+    from ttr.train.tokenizer import load_tokenizer
+
+    src = LocalSource(str(corpus_dir))
+    tok = load_tokenizer("", texts=lambda: (src.get(i) for i in range(len(src))), fingerprint=src.fingerprint(),
+                         vocab_size=320, cache_dir=str(cache_dir))
+    model_file = tmp_path / "tok.model"
+    model_file.write_bytes(tok.model_proto)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": src.get(i)}) + "\n" for i in range(len(src))))
+    assert prepare([str(corpus_dir), str(tmp_path / "shards"), "--tokenizer", str(model_file)]) == 0
+    for name, source in (("hf", f"hf:{folder}"), ("shards", str(tmp_path / "shards"))):
+        table = tiny_config(corpus_dir, cache_dir, tmp_path / f"run-{name}", train={"max_steps": 3},
+                            data={"source": source}, tokenizer={"path": str(model_file)},
+                            log={"val_every": 3, "val_batches": 1})
+        trainer, record = _run(table)
+        assert record["step"] == 3 and math.isfinite(record["loss"]) and "val_loss" in record
+    with pytest.raises(ValueError, match="needs tokenizer.path"):
+        _run(tiny_config(corpus_dir, cache_dir, tmp_path / "x", data={"source": f"hf:{folder}"}))
