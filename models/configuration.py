@@ -136,11 +136,13 @@ class TTRConfig(PretrainedConfig):
         transformers' ``validate_layer_type`` only knows its own attention names, so it runs with
         ``layer_types`` hidden; ttr checks ``layer_types`` against ``LAYER_TYPES`` instead.
         """
-        layer_types = self.__dict__.pop("layer_types")
-        try:
-            super().validate()
-        finally:
-            self.layer_types = layer_types
+        base_validate = getattr(super(), "validate", None)
+        if base_validate is not None:
+            layer_types = self.__dict__.pop("layer_types")
+            try:
+                base_validate()
+            finally:
+                self.layer_types = layer_types
         self._validate()
 
     @property

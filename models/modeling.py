@@ -175,7 +175,8 @@ class TTRModel(TTRPreTrainedModel):
             raise TypeError(f"past_key_values must be a TTRCache, got {type(past_key_values).__name__}")
         if use_cache and past_key_values is None:
             past_key_values = TTRCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache else None
+        # A cache passed in is always continued (and updated), even with use_cache=False.
+        cache = past_key_values if use_cache or past_key_values is not None else None
         seen = cache.seen_tokens if cache is not None else 0
         mask, full_mask = self._resolve_masks(attention_mask, b, t, seen)
         if position_ids is None:
