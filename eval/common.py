@@ -8,8 +8,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Config attributes that hold the context a model was trained with, in the order checked.
-CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx")
+# Config attributes that hold the context a model was trained with, in the order checked:
+# ``train_seq_len`` is what ``ttr train`` records (max_position_embeddings may be larger than the
+# sequences actually trained on), the others are the usual Hugging Face names.
+CONTEXT_ATTRS = ("train_seq_len", "max_position_embeddings", "n_positions", "n_ctx")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -148,6 +148,12 @@ def test_max_length_is_training_context_and_batch_size_fixed(setup):
     lm = TTRLM(str(root / "ckpt"), batch_size="3")
     assert lm.max_length == 64 and lm.batch_size == 3
     assert lm.tokenizer.padding_side == "left"
+    model.config.train_seq_len = 32  # recorded by the trainer: wins over max_position_embeddings
+    try:
+        assert TTRLM(model, tokenizer=tokenizer).max_length == 32
+        assert TTRLM(model, tokenizer=tokenizer, max_length="48").max_length == 48
+    finally:
+        del model.config.train_seq_len
     with pytest.raises(ValueError, match="batch_size"):
         TTRLM(model, tokenizer=tokenizer, batch_size="auto")
     with pytest.raises(ValueError, match="tokenizer"):
@@ -187,3 +193,16 @@ def test_cli_lm_writes_json_and_markdown(setup, tmp_path, capsys):
     assert "ttr_test_mc" in (out / "results.md").read_text() and "acc" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["mqar", "--mixer", "lstm"])
+
+
+def test_training_context_has_no_silent_default():
+    from types import SimpleNamespace
+
+    from ttr.eval.common import training_context
+
+    assert training_context(SimpleNamespace(max_position_embeddings=128)) == 128
+    assert training_context(SimpleNamespace(max_position_embeddings=128, train_seq_len=64)) == 64
+    with pytest.raises(ValueError, match="max_length"):
+        training_context(SimpleNamespace(hidden_size=8))
+    with pytest.raises(ValueError, match="max_length"):
+        training_context(SimpleNamespace(), max_length=0)
