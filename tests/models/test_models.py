@@ -55,11 +55,28 @@ def decode_stepwise(model, ids, prefill: int, attention_mask=None) -> torch.Tens
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_decoding_matches_full_forward(family):
+    # gla-debug has no short conv and mamba2 no MLP; the layer-only MQAR shape (conv + mixer, no
+    # MLP) is covered by test_mixer_only_blocks.
     model = make_model(family)
     ids = torch.randint(0, VOCAB, (2, 10))
     full = model(ids, use_cache=False).logits
     for prefill in (1, 6):
         assert rel_err(decode_stepwise(model, ids, prefill), full) < 1e-5
+
+
+@pytest.mark.parametrize("mixer", ["gla", "delta_net", "gated_deltanet"])
+@torch.no_grad()
+def test_mixer_only_blocks(mixer):
+    """Blocks of short conv + mixer without MLP (``intermediate_size=0``), as MQAR models use."""
+    torch.manual_seed(0)
+    cfg = TTRConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, layer_types=[mixer] * 2, num_heads=1,
+        intermediate_size=0, use_short_conv=True,
+    )  # fmt: skip
+    model = TTRForCausalLM(cfg).eval()
+    assert model.model.layers[0].mlp is None and model.model.layers[0].mixer.convs is not None
+    ids = torch.randint(0, VOCAB, (2, 9))
+    assert rel_err(decode_stepwise(model, ids, 4), model(ids, use_cache=False).logits) < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -109,7 +126,7 @@ def test_left_padded_generate_matches_single(family):
         assert torch.equal(batched[i], single[0, p.numel() :]), f"row {i}"
 
 
-@pytest.mark.parametrize("family", ["gated_deltanet_h1", "mamba2"])
+@pytest.mark.parametrize("family", ["gated_deltanet_h1", "mamba2", "gla", "delta_net"])
 @torch.no_grad()
 def test_left_padded_logits_match_unpadded(family):
     model = make_model(family)
@@ -119,6 +136,14 @@ def test_left_padded_logits_match_unpadded(family):
     ref = model(p, use_cache=False).logits
     assert rel_err(model(ids, attention_mask=mask, use_cache=False).logits[:, 4:], ref) < 1e-5
     assert rel_err(decode_stepwise(model, ids, 5, mask)[:, 4:], ref) < 1e-5
+    # padding never touches a recurrent or conv state
+    padded = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    unpadded = model(p, use_cache=True).past_key_values
+    for a, b in zip(padded.states, unpadded.states):
+        if "recurrent" in a:
+            torch.testing.assert_close(a["recurrent"], b["recurrent"], rtol=1e-5, atol=1e-6)
+            for ca, cb in zip(a.get("conv", ()), b.get("conv", ())):
+                torch.testing.assert_close(ca, cb, rtol=1e-5, atol=1e-6)
 
 
 @torch.no_grad()
