@@ -48,14 +48,6 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _add(a, b):
-    # combine of the in-chunk scan below. Not tl.cumsum: that is a @jit of triton.language, compiled
-    # (not interpreted) when triton was imported before TRITON_INTERPRET was set, and the
-    # interpreter then cannot call it; a combine defined here works in both modes.
-    return a + b
-
-
-@triton.jit
 def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -270,7 +262,7 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_dG += tl.where((o_t == last)[:, None], b_dgl[None, :], 0)
     b_dG = tl.where(m_tk, b_dG, 0)
     # gradient of the raw gate: reverse cumulative sum within the chunk
-    b_dg = tl.sum(b_dG, 0)[None, :] - tl.associative_scan(b_dG, 0, _add) + b_dG
+    b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_tk, b_dg, mask=m_tk)
