@@ -19,6 +19,7 @@ first token of the next.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections import deque
 from collections.abc import Iterator
 
@@ -75,6 +76,7 @@ class Encoder:
         self.source, self.tokenizer = source, tokenizer
         self.pool = None
         if num_workers > 0:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers after fork
             # fork like torch's DataLoader (the workers only tokenise; spawn would re-import torch
             # and transformers in each worker, seconds of start-up), spawn where fork is missing
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")

@@ -103,8 +103,8 @@ def test_ranks_read_disjoint_documents(corpus_dir):
 
 def test_local_formats(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
 
     pq.write_table(pa.table({"text": ["three", "four", "five"]}), tmp_path / "b.parquet")
     (tmp_path / "c.txt").write_text("six")
