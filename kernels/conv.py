@@ -272,10 +272,11 @@ def _conv_update_kernel(
     tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
 
 
-def _blocks(t: int, d: int) -> tuple[int, int]:
+def _blocks(t: int, d: int, backward: bool) -> tuple[int, int]:
+    """(BT, BD). The backward keeps ~6 live [BT, BD] fp32 blocks, so it takes half the tokens."""
     if interpreter_active():
         return min(64, triton.next_power_of_2(max(t, 1))), min(64, triton.next_power_of_2(d))
-    return 64, min(128, triton.next_power_of_2(d))
+    return (32 if backward else 64), min(128, triton.next_power_of_2(d))
 
 
 def _varlen_meta(cu_seqlens, t: int, device):
@@ -292,7 +293,7 @@ def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
     y = torch.empty_like(x)
-    bt, bd = _blocks(t, d)
+    bt, bd = _blocks(t, d, backward=False)
     grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
     if t:
         _conv_fwd_kernel[grid](
@@ -308,7 +309,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
-    bt, bd = _blocks(t, d)
+    bt, bd = _blocks(t, d, backward=True)
     nt = triton.cdiv(t, bt)
     dx = torch.empty_like(x)
     dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)

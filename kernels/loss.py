@@ -9,14 +9,15 @@ For hidden ``h [N, D]``, weight ``W [V, D]``, optional bias ``b [V]`` and labels
 
 The forward walks the tokens in chunks of ``chunk_size``: one matmul gives the chunk's logits
 (in the compute dtype, fp32 accumulation in cuBLAS), one Triton kernel turns them into the loss
-and, in place, into ``dz`` (fp32 arithmetic: two passes over the vocabulary, an online
-max / sum-exp then the scaled softmax minus one-hot), and two more matmuls give the chunk's
-``dh`` and its share of ``dW`` (accumulated in fp32). The backward only scales the stored grads
-by the incoming grad_output (the approach of Liger-Kernel's fused linear cross-entropy,
-arXiv:2410.10989). Peak extra memory: one ``[chunk_size, V]`` logits buffer, ``dh`` and an
-fp32 ``dW``. Under autocast, hidden/weight/bias are cast to the autocast dtype first (as F.linear
-would), so the grads flow back to fp32 master weights through that cast. When nothing requires
-grad only the loss is computed.
+and, in place, into ``softmax - onehot`` (fp32 arithmetic: two passes over the vocabulary, an
+online max / sum-exp, then the gradient), and two more matmuls give the chunk's ``dh`` and its
+share of ``dW`` (accumulated in fp32). The backward only multiplies the stored grads by
+grad_output times ``s``; ``s`` stays out of the forward so that fp16 grads do not underflow
+before a loss scale reaches them. This is the approach of Liger-Kernel's fused linear
+cross-entropy (arXiv:2410.10989). Peak extra memory: one ``[chunk_size, V]`` logits buffer,
+``dh`` and an fp32 ``dW``. Under autocast, hidden/weight/bias are cast to the autocast dtype
+first (as F.linear would), so the grads flow back to fp32 master weights through that cast.
+When nothing requires grad only the loss is computed.
 
 With ``reduction="mean"`` and every label ignored the loss is 0 with zero grads (not NaN).
 """
@@ -34,9 +35,9 @@ REDUCTIONS = ("mean", "sum")
 
 @triton.jit
 def _ce_fwd_bwd_kernel(
-    logits, labels, loss, V, stride_l, scale, ignore_index, COMPUTE_GRAD: tl.constexpr, BV: tl.constexpr
+    logits, labels, loss, V, stride_l, ignore_index, COMPUTE_GRAD: tl.constexpr, BV: tl.constexpr
 ):
-    """One row: loss = lse - z[y]; in place z <- (softmax(z) - onehot(y)) * scale (0 if ignored)."""
+    """One row: loss = lse - z[y]; in place z <- softmax(z) - onehot(y) (0 if ignored)."""
     i_r = tl.program_id(0).to(tl.int64)
     p_row = logits + i_r * stride_l
     b_y = tl.load(labels + i_r).to(tl.int64)
@@ -59,8 +60,8 @@ def _ce_fwd_bwd_kernel(
     b_zy = tl.load(p_row + tl.where(is_ignored, 0, b_y)).to(tl.float32)
     tl.store(loss + i_r, tl.where(is_ignored, 0.0, lse - b_zy))
     if COMPUTE_GRAD:
-        s = tl.where(is_ignored, 0.0, scale)
-        # pass 2: dz = (softmax - onehot) * s, written over the logits
+        s = tl.where(is_ignored, 0.0, 1.0)
+        # pass 2: dz = softmax - onehot, written over the logits
         for i_v in range(0, V, BV):
             m_v = i_v + o_v < V
             b_z = tl.load(p_row + i_v + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -68,20 +69,20 @@ def _ce_fwd_bwd_kernel(
             tl.store(p_row + i_v + o_v, (b_p * s).to(logits.dtype.element_ty), mask=m_v)
 
 
-def _triton_ce_chunk(logits, labels, scale, ignore_index, compute_grad):
+def _triton_ce_chunk(logits, labels, ignore_index, compute_grad):
     """Per-row loss (fp32) of a [C, V] logits chunk; with compute_grad the chunk becomes dz."""
     c, v = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     if c:
         bv = min(triton.next_power_of_2(v), 4096)
         _ce_fwd_bwd_kernel[(c,)](
-            logits, labels, loss, v, logits.stride(0), scale, ignore_index,
+            logits, labels, loss, v, logits.stride(0), ignore_index,
             COMPUTE_GRAD=compute_grad, BV=bv, num_warps=8 if bv >= 2048 else 4,
         )  # fmt: skip
     return loss
 
 
-def _torch_ce_chunk(logits, labels, scale, ignore_index, compute_grad):
+def _torch_ce_chunk(logits, labels, ignore_index, compute_grad):
     """Same contract as _triton_ce_chunk with torch ops (fp32 arithmetic, fp64 for fp64)."""
     dt = torch.promote_types(logits.dtype, torch.float32)
     z = logits.to(dt)
@@ -92,7 +93,7 @@ def _torch_ce_chunk(logits, labels, scale, ignore_index, compute_grad):
     if compute_grad:
         p = torch.exp(z - lse[:, None])
         p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
-        p.mul_(torch.where(ignored, 0.0, scale).to(dt)[:, None])
+        p.mul_((~ignored).to(dt)[:, None])
         logits.copy_(p)
     return loss
 
@@ -124,7 +125,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 z_c = torch.addmm(bias, h_c, weight.t())  # [C, V]
             else:
                 z_c = torch.mm(h_c, weight.t())
-            loss_c = ce_chunk(z_c, labels[i0 : i0 + chunk_size], scale, ignore_index, need_grad)
+            loss_c = ce_chunk(z_c, labels[i0 : i0 + chunk_size], ignore_index, need_grad)
             total += loss_c.sum()
             if not need_grad:
                 continue
@@ -135,17 +136,29 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_b:
                 db += z_c.sum(0, dtype=db.dtype)
             del z_c
-        loss = total * scale
-        ctx.save_for_backward(
-            dh, dw.to(weight.dtype) if dw is not None else None, db.to(bias.dtype) if db is not None else None
-        )
-        return loss
+        # dh, dw, db are kept unscaled (softmax - onehot): the 1/n_valid of "mean" is applied in the
+        # backward together with grad_output, so fp16 grads do not underflow before a loss scale
+        ctx.save_for_backward(dh, dw, db)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total * scale
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw, db = ctx.saved_tensors
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (dh, dw, db)]
-        return (*scaled, None, None, None, None, None)
+        factor = grad_loss.to(torch.promote_types(grad_loss.dtype, torch.float32)) * ctx.scale
+        grads = [
+            None if g is None else _scaled(g, factor, dtype, ctx.chunk_size)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        ]
+        return (*grads, None, None, None, None, None)
+
+
+def _scaled(g, factor, dtype, rows: int):
+    """``g * factor`` in fp32 (fp64 for fp64), cast to ``dtype``, ``rows`` rows at a time."""
+    out = torch.empty(g.shape, dtype=dtype, device=g.device)
+    for i0 in range(0, g.shape[0], rows):
+        out[i0 : i0 + rows] = g[i0 : i0 + rows].to(factor.dtype) * factor
+    return out
 
 
 def _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size) -> None:

@@ -148,6 +148,18 @@ def test_autocast_casts_like_linear(backend):
     assert rel_rms(w.grad, w64.grad) < 2e-2
 
 
+def test_fp16_grads_survive_loss_scale(backend):
+    """softmax / n_valid (~6e-7 here) is subnormal in fp16; the 1/n_valid is applied together with
+    grad_output (a loss scale of 2**16), so the fp16 grads keep their precision."""
+    tensors, labels = make(200, 16, 8200, bias=False, ignore_every=0, dtype=torch.float16)
+    loss, grads = run(linear_cross_entropy, tensors, labels, upcast=False, grad_scale=2.0**16, chunk_size=128)
+    want, grads_want = run(unfused, tensors, labels, upcast=True, grad_scale=2.0**16)
+    assert abs(loss.item() - want.item()) < 1e-3 * want.item()
+    for name, g, r in zip(("dhidden", "dweight"), grads, grads_want):
+        assert g.dtype == torch.float16
+        assert rel_rms(g, r) < 5e-3, f"{name}: {rel_rms(g, r)}"
+
+
 def test_bad_inputs():
     (h, w, b), labels = make(4, 8, 10)
     with pytest.raises(ValueError, match="labels"):
