@@ -69,23 +69,25 @@ class _SwiGLUProduct(torch.autograd.Function):
 
 
 class _L2Normalize(torch.autograd.Function):
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim, computed in (at least) fp32; saves the output
-    (in x's dtype) and ``1/norm`` only."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim with (at least) fp32 arithmetic; saves the
+    output (in x's dtype) and ``1/norm`` only. Few passes over the activation: one reduction,
+    one multiply that writes x's dtype directly (fp32 math, cast on store)."""
 
     @staticmethod
     def forward(ctx, x, eps):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
-        y = (xf * rstd).to(x.dtype)
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=cdt).square_().add_(eps).rsqrt_()
+        y = torch.mul(x, rstd, out=torch.empty_like(x))
         ctx.save_for_backward(y, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        # d/dx (x * r) with r = 1/|x|: r * (dy - y <dy, y>)
         y, rstd = ctx.saved_tensors
-        yf, dyf = y.to(rstd.dtype), dy.to(rstd.dtype)
-        dx = rstd * (dyf - yf * (dyf * yf).sum(-1, keepdim=True))
-        return dx.to(y.dtype), None
+        dyf = dy.to(rstd.dtype)
+        dot = (dyf * y).sum(-1, keepdim=True)
+        return torch.mul(dyf.addcmul_(y, dot, value=-1), rstd, out=torch.empty_like(y)), None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
