@@ -99,7 +99,7 @@ def _torch_ce_chunk(logits, labels, ignore_index, compute_grad):
 
 
 def _default_chunk_size(n: int, d: int, v: int) -> int:
-    """Tokens per chunk so that a logits chunk is about twice the size of hidden (power of 2)."""
+    """Tokens per chunk: the power of 2 at or above the count whose logits are twice hidden's size."""
     target = max(1, (2 * n * d) // max(v, 1))
     return max(256, min(triton.next_power_of_2(target), 8192))
 
@@ -219,7 +219,7 @@ def linear_cross_entropy(
 
     Returns a scalar (fp32; fp64 for fp64 inputs). ``reduction`` "mean" averages over the
     non-ignored tokens, "sum" adds them. ``chunk_size`` tokens per chunk (default: a logits
-    chunk about twice the size of ``hidden``, a power of 2 in [256, 8192]). Dispatches the
+    chunk 2x to 4x the size of ``hidden``, a power of 2 in [256, 8192]). Dispatches the
     per-chunk softmax / loss / grad part on ``kernel_backend(hidden)``; matmuls use torch.
     """
     _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size)
