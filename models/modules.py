@@ -60,12 +60,10 @@ class _SwiGLUProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Same arithmetic (and dtype) as autograd's own silu/mul backward, with silu(gate) recomputed.
         gate, up = ctx.saved_tensors
-        cdt = torch.promote_types(gate.dtype, torch.float32)
-        g, u, d = gate.to(cdt), up.to(cdt), dy.to(cdt)
-        sig = torch.sigmoid(g)
-        dgate = d * u * sig * (1 + g * (1 - sig))
-        return dgate.to(gate.dtype), (d * g * sig).to(up.dtype)
+        dgate = torch.ops.aten.silu_backward(dy * up, gate)
+        return dgate, dy * F.silu(gate)
 
 
 class _L2Normalize(torch.autograd.Function):
