@@ -39,11 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.index import ChunkPlan, tuned
 
 SUB_CHUNK = 16
 # Launch width of every kernel here: with 4 warps the [64, 64] fp32 tiles of the output and
 # backward kernels spill registers on sm_90 (checked with cuobjdump -res-usage, Triton 3.9).
+# Each launcher's block sizes and warps can be overridden through ``index.TUNING`` under the
+# stage names "vector_gate_scores", "vector_gate_output", "vector_gate_dv", "vector_gate_dA",
+# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg" (the bench script's sweep).
 NUM_WARPS = 8
 
 
@@ -286,9 +289,9 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     B, T, H, K = q.shape
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
-    grid = (plan.num_chunks, BT // SUB_CHUNK, H)
-    vector_gate_scores_kernel[grid](q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K,
-                                    BT=BT, BC=SUB_CHUNK, BK=_block_k_sub(K), num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_scores", BK=_block_k_sub(K), num_warps=NUM_WARPS)
+    vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
+        q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK, **cfg)
     return A
 
 
@@ -297,10 +300,10 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty_like(v)
-    BV = _block_v(V)
-    grid = (plan.num_chunks, triton.cdiv(V, BV), H)
-    vector_gate_output_kernel[grid](q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
-                                    K=K, V=V, BT=plan.chunk_size, BK=_block_k(K), BV=BV, num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_output", BK=_block_k(K), BV=_block_v(V), num_warps=NUM_WARPS)
+    vector_gate_output_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
+        q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
+        **cfg)
     return o
 
 
@@ -308,10 +311,9 @@ def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
     """The intra-chunk gradient of v: ``A^T do`` (fp32)."""
     B, T, H, V = do.shape
     dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    BV = _block_v(V)
-    grid = (plan.num_chunks, triton.cdiv(V, BV), H)
-    vector_gate_dv_kernel[grid](A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size,
-                                BV=BV, num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_dv", BV=_block_v(V), num_warps=NUM_WARPS)
+    vector_gate_dv_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
+        A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size, **cfg)
     return dv
 
 
@@ -319,8 +321,9 @@ def vector_gate_dA(v, do, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
     """``dA = scale * tril(do v^T)`` per chunk, ``[B, T, H, BT]`` fp32 (includes the score scale)."""
     B, T, H, V = v.shape
     dA = torch.empty(B, T, H, plan.chunk_size, device=v.device, dtype=torch.float32)
+    cfg = tuned("vector_gate_dA", BV=_block_v(V), num_warps=NUM_WARPS)
     vector_gate_dA_kernel[(plan.num_chunks, H)](v, do, dA, plan.cu_seqlens, plan.chunk_indices, scale, H=H, V=V,
-                                               BT=plan.chunk_size, BV=_block_v(V), num_warps=NUM_WARPS)
+                                               BT=plan.chunk_size, **cfg)
     return dA
 
 
@@ -329,10 +332,10 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    grid = (plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)
-    vector_gate_intra_bwd_kernel[grid](q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
-                                       BT=plan.chunk_size, BC=SUB_CHUNK, BK=_block_k_sub(K),
-                                       num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_intra_bwd", BK=_block_k_sub(K), num_warps=NUM_WARPS)
+    vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
+        q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
+        **cfg)
     return dq, dk
 
 
@@ -347,9 +350,9 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    BK = _block_k_sub(K)  # two [64, BK] fp32 accumulators: 32 keeps them in registers
-    grid = (plan.num_chunks, triton.cdiv(K, BK), H)
-    vector_gate_bwd_dqkg_kernel[grid](q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens,
-                                      plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
-                                      BV=_block_v(V), num_warps=NUM_WARPS)
+    # two [64, BK] fp32 accumulators: BK = 32 keeps them in registers
+    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k_sub(K), BV=_block_v(V), num_warps=NUM_WARPS)
+    vector_gate_bwd_dqkg_kernel[(plan.num_chunks, triton.cdiv(K, cfg["BK"]), H)](
+        q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
+        H=H, K=K, V=V, BT=plan.chunk_size, **cfg)
     return dq, dk, dg
