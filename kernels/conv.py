@@ -325,13 +325,13 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             IS_VARLEN=cu is not None, SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
-        dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, b, t, w)
+        dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, t, w)
     dw = dw.sum(0).t().to(weight.dtype)
     db = db.sum(0).to(bias.dtype) if db is not None else None
     return dx, dw, db, dinit.to(init.dtype) if dinit is not None else None
 
 
-def _dfinal_to_init(dfinal, cu_seqlens, b: int, t: int, w: int):
+def _dfinal_to_init(dfinal, cu_seqlens, t: int, w: int):
     """Grad of the final state w.r.t. the initial state: slot k of a sequence of length L < W-1
     survives into final slot k - L."""
     n = dfinal.shape[0]
