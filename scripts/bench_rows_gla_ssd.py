@@ -63,3 +63,95 @@ ROWS["simple_gla"] = Row(lambda **x: chunk_simple_gla(x["q"], x["k"], x["v"], x[
                          simple_gla_inputs, lambda **x: reference_simple_gla(x["q"], x["k"], x["v"], x["g"]))
 ROWS["ssd"] = Row(lambda **x: chunk_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"]), None, ssd_inputs,
                   lambda **x: reference_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"]))
+
+
+# Per-stage timing of the GLA pipeline and launch alternatives for its own stages (GPU):
+#   python -m ttr.scripts.bench_rows_gla_ssd [--shapes 4x4096,1x16384] [--sweep]
+# A winning alternative goes into the heuristic defaults of kernels/common/intra_vector_gate.py.
+GLA_SWEEP = {
+    "vector_gate_scores": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (4, 8)],
+    "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (32, 64) for bv in (32, 64, 128)
+                           for nw in (4, 8)],
+    "vector_gate_dv": [dict(BV=bv, num_warps=nw) for bv in (32, 64, 128) for nw in (4, 8)],
+    "vector_gate_dA": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],
+    "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (4, 8)],
+    "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (32, 64) for bv in (32, 64)
+                             for nw in (4, 8)],
+    "state_fwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
+    "state_bwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
+}
+
+
+def gla_stage_calls(B, T, H=16, D=128, device="cuda"):
+    """One closure per stage of chunk_gla's forward and backward, on bf16 inputs."""
+    from ttr.kernels.common import intra_vector_gate as vg
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.state import state_bwd, state_fwd
+
+    x = gla_inputs(B, T, H, D, torch.bfloat16, device)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    do, scale = torch.randn_like(v), D**-0.5
+    plan = prepare_chunks(None, B, T, device=device)
+    gk = chunk_local_cumsum(g, plan)
+    h, _, _ = state_fwd(k, v, plan, gk=gk)
+    A = vg.vector_gate_scores(q, k, gk, plan, scale=scale)
+    dvi = vg.vector_gate_dv(A, do, plan)
+    dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
+    dA = vg.vector_gate_dA(v, do, plan, scale=scale)
+    dqi, dki = vg.vector_gate_intra_bwd(q, k, gk, dA, plan)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(g, plan),
+        "state_fwd": lambda: state_fwd(k, v, plan, gk=gk),
+        "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
+        "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
+        "vector_gate_dv": lambda: vg.vector_gate_dv(A, do, plan),
+        "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
+        "vector_gate_dA": lambda: vg.vector_gate_dA(v, do, plan, scale=scale),
+        "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
+        "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan,
+                                                                scale=scale),
+    }
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from triton.testing import do_bench
+
+    from ttr.kernels.common.index import TUNING
+
+    parser = argparse.ArgumentParser(description="per-stage ms of chunk_gla (bf16, H=16, K=V=128)")
+    parser.add_argument("--shapes", default="4x4096,1x16384", help="comma-separated BxT")
+    parser.add_argument("--sweep", action="store_true", help="also time the launch alternatives")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for shape in args.shapes.split(","):
+        B, T = (int(s) for s in shape.split("x"))
+        calls = gla_stage_calls(B, T)
+        times = {n: do_bench(fn, warmup=10, rep=50, return_mode="median") for n, fn in calls.items()}
+        print(f"gla stages {B}x{T}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items())
+              + f"; total {sum(times.values()):.3f}", flush=True)
+        if not args.sweep:
+            continue
+        for stage, options in GLA_SWEEP.items():
+            results = []
+            for cfg in options:
+                TUNING[stage] = cfg
+                try:
+                    results.append((do_bench(calls[stage], warmup=10, rep=50, return_mode="median"), cfg))
+                except Exception as e:  # a configuration that does not fit is skipped
+                    print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
+                finally:
+                    TUNING.pop(stage, None)
+            results.sort(key=lambda r: r[0])
+            print(f"  sweep {stage} {B}x{T}: default {times[stage]:.3f}; "
+                  + "; ".join(f"{t:.3f} {c}" for t, c in results[:4]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
