@@ -165,13 +165,11 @@ def run(ops: list[str], seqlens: list[int], with_fla: bool = True) -> str:
 
 
 SWEEP = {
-    "state_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)],
-    "state_bwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (16, 32, 64) for nw in (4, 8) for ns in (2, 3)],
-    "wy_fwd": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3)],
-    "wy_bwd": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (1, 2, 3)],
-    "output_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (64, 128) for nw in (4, 8) for ns in (2, 3)],
-    "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (2, 3)],
-    "output_bwd_dqk": [dict(num_warps=nw, num_stages=ns) for nw in (4, 8) for ns in (1, 2, 3)],
+    "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (64, 128) for bv in (64, 128) for nw in (4, 8)],
+    "output_bwd_dqk": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
+                       for ns in (2, 3)],
+    "state_fwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
+    "state_bwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
 }
 
 

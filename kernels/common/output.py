@@ -148,9 +148,8 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), mask=m_dw)
     if USE_G:
         b_P = b_dS * tl.dot(b_q, tl.trans(b_k))
-        b_PT = b_dST * tl.dot(b_k, tl.trans(b_q))
         b_kdks = tl.sum(b_dks * b_k.to(tl.float32), 1)
-        b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) + tl.sum(b_P, 1) - tl.sum(b_PT, 1) - b_kdks
+        b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) + tl.sum(b_P, 1) - tl.sum(b_P, 0) - b_kdks
         b_dg += tl.where(i_c * BT + o_i == last, tl.sum(b_kdks, 0) + tl.exp(b_gl) * tl.sum(b_hdh, 0), 0.)
         tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
 
@@ -165,7 +164,7 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
     o = torch.empty_like(v)
-    cfg = tuned("output_fwd", BV=BV)
+    cfg = tuned("output_fwd", BV=min(128, max(16, triton.next_power_of_2(V))))  # H200 sweep: 128 > 64
     output_fwd_kernel[(triton.cdiv(V, cfg['BV']), plan.num_chunks, H)](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
         USE_G=g is not None, **cfg)
@@ -191,15 +190,15 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
-    NK = triton.cdiv(K, BK)
+    cfg = tuned("output_bwd_dqk", BK=BK, num_stages=2 if q.element_size() == 4 else 3)
+    NK = triton.cdiv(K, cfg["BK"])
     dq = torch.empty_like(q)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dw = torch.empty_like(k) if dv is not None else None
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
     output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
         q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, K=K,
-        V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None, USE_W=dv is not None,
-        **tuned("output_bwd_dqk"))
+        V=V, BT=plan.chunk_size, BV=BV, USE_G=g is not None, USE_W=dv is not None, **cfg)
     if dg is not None:
         dg = dg.sum(0)
     return dq, dk, dw, dg

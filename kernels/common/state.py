@@ -25,34 +25,67 @@ from ttr.kernels.common.tile import tile
 
 
 @triton.jit
+def _load_half(p, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
+    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
+    return tl.load(p_x, mask=m_x, other=0.)
+
+
+@triton.jit
+def _store_half(p, b, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
+    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
+    tl.store(p_x, b.to(p_x.dtype.element_ty), mask=m_x)
+
+
+@triton.jit
+def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr):
+    """``k^T ⊙ exp(gk_last - gk)`` for rows k0 .. k0+BK of the key dim, and ``exp(gk_last)``."""
+    o_k = k0 + tl.arange(0, BK)
+    b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+    b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+    b_kd = (b_k * tl.exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
+    return b_kd, tl.exp(b_gkl), b_gk
+
+
+@triton.jit
 def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_H0: tl.constexpr,
-                     STORE_HT: tl.constexpr):
+                     SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
+                     USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK: one [256, BV]
+    # block gave wrong states / illegal addresses on the H200 with Triton 3.6.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if SPLIT:
+        b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        p_h0, m_h0 = tile(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        b_h += tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+        p_h0 = h0 + i_nh.to(tl.int64) * K * V
+        b_h += _load_half(p_h0, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+        if SPLIT:
+            b_h2 += _load_half(p_h0, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
     for i_c in range(tl.cdiv(T, BT)):
-        p_h, m_h = tile(h + ((boh + i_c) * H + i_h) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
-        p_u, m_u = tile(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-        p_k, m_k = tile(k + (bos * H + i_h) * K, 0, i_c * BT, K, T, 1, H * K, BK, BT)
-        b_v = tl.load(p_u, mask=m_u, other=0.).to(tl.float32)  # [BT, BV]
-        b_k = tl.load(p_k, mask=m_k, other=0.)  # [BK, BT]
+        p_h = h + ((boh + i_c) * H + i_h) * K * V
+        _store_half(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
+        if SPLIT:
+            _store_half(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
+        p_kb = k + (bos * H + i_h) * K
+        b_v = _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+        b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        if SPLIT:
+            b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
         if USE_W:
-            p_w, m_w = tile(w + (bos * H + i_h) * K, i_c * BT, 0, T, K, H * K, 1, BT, BK)
-            b_w = tl.load(p_w, mask=m_w, other=0.)
+            p_wb = w + (bos * H + i_h) * K
+            b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
             b_v -= tl.dot(b_w, b_h.to(b_w.dtype))
-            p_vn, m_vn = tile(v_new + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-            tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), mask=m_vn)
+            if SPLIT:
+                b_w2 = _load_half(p_wb, i_c * BT, BK, T, K, H * K, 1, BT, BK)
+                b_v -= tl.dot(b_w2, b_h2.to(b_w2.dtype))
+            _store_half(v_new + (bos * H + i_h) * V, b_v, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
         if USE_G:
@@ -60,92 +93,125 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
             b_v *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
             b_h *= tl.exp(b_gl)
+            if SPLIT:
+                b_h2 *= tl.exp(b_gl)
         if USE_GK:
-            b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
-            p_gk, m_gk = tile(gk + (bos * H + i_h) * K, 0, i_c * BT, K, T, 1, H * K, BK, BT)
-            b_gk = tl.load(p_gk, mask=m_gk, other=0.)
-            b_k = (b_k * tl.exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
-            b_h *= tl.exp(b_gkl)[:, None]
+            b_k, b_dec, _ = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            b_h *= b_dec[:, None]
+            if SPLIT:
+                b_k2, b_dec2, _ = _decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
+                b_h2 *= b_dec2[:, None]
         b_h += tl.dot(b_k, b_v.to(b_k.dtype))
+        if SPLIT:
+            b_h2 += tl.dot(b_k2, b_v.to(b_k2.dtype))
     if STORE_HT:
-        p_ht, m_ht = tile(ht + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_ht)
+        p_ht = ht + i_nh.to(tl.int64) * K * V
+        _store_half(p_ht, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
+        if SPLIT:
+            _store_half(p_ht, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
 
 
 @triton.jit
 def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+                     BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
+                     USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if SPLIT:
+        b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        p_dht, m_dht = tile(dht + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        b_dh += tl.load(p_dht, mask=m_dht, other=0.).to(tl.float32)
+        p_dht = dht + i_nh.to(tl.int64) * K * V
+        b_dh += _load_half(p_dht, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+        if SPLIT:
+            b_dh2 += _load_half(p_dht, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
     NC = tl.cdiv(T, BT)
     for i_r in range(NC):
         i_c = NC - 1 - i_r
-        p_dh, m_dh = tile(dh + ((boh + i_c) * H + i_h) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), mask=m_dh)
+        p_dh = dh + ((boh + i_c) * H + i_h) * K * V
+        _store_half(p_dh, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
+        if SPLIT:
+            _store_half(p_dh, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
-        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, 0, T, K, H * K, 1, BT, BK)
-        p_q, m_q = tile(q + (bos * H + i_h) * K, 0, i_c * BT, K, T, 1, H * K, BK, BT)
-        p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-        p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-        p_dv2, m_dv2 = tile(dv2 + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-        b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
-        b_q = tl.load(p_q, mask=m_q, other=0.)  # [BK, BT]
-        b_do = tl.load(p_do, mask=m_do, other=0.)  # [BT, BV]
-        b_dv = tl.load(p_dv, mask=m_dv, other=0.).to(tl.float32)
+        p_kb = k + (bos * H + i_h) * K
+        p_qb = q + (bos * H + i_h) * K
+        b_kT = _load_half(p_kb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        b_q = _load_half(p_qb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        if SPLIT:
+            b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+            b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+        b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
+        b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
-            b_dv += tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
+            b_dec = tl.exp(tl.where(m_t, b_gl - b_g, 0.))
+            b_kT = (b_kT * b_dec[None, :]).to(b_kT.dtype)
             b_q = (b_q * tl.exp(b_g)[None, :]).to(b_q.dtype)
+            if SPLIT:
+                b_kT2 = (b_kT2 * b_dec[None, :]).to(b_kT2.dtype)
+                b_q2 = (b_q2 * tl.exp(b_g)[None, :]).to(b_q2.dtype)
+        if USE_GK:
+            b_kT, b_e, b_gk = _decay_kT(b_kT, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            b_q = (b_q * tl.exp(b_gk)).to(b_q.dtype)
+            if SPLIT:
+                b_kT2, b_e2, b_gk2 = _decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
+                b_q2 = (b_q2 * tl.exp(b_gk2)).to(b_q2.dtype)
+        # dv2 = dv + (k ⊙ decay) dh: the decayed k^T tile is loaded transposed, so k = trans(load)
+        b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
+        if SPLIT:
+            b_dv += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
+        _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        if USE_G:
             b_dh *= tl.exp(b_gl)
-        elif USE_GK:
-            b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
-            p_gk, m_gk = tile(gk + (bos * H + i_h) * K, i_c * BT, 0, T, K, H * K, 1, BT, BK)
-            b_gk = tl.load(p_gk, mask=m_gk, other=0.)  # [BT, BK]
-            b_kd = (b_k * tl.exp(tl.where(m_t[:, None], b_gkl[None, :] - b_gk, 0.))).to(b_k.dtype)
-            b_dv += tl.dot(b_kd, b_dh.to(b_k.dtype))
-            b_q = (b_q * tl.exp(tl.trans(b_gk))).to(b_q.dtype)
-            b_dh *= tl.exp(b_gkl)[:, None]
-        else:
-            b_dv += tl.dot(b_k, b_dh.to(b_k.dtype))
-        tl.store(p_dv2, b_dv.to(p_dv2.dtype.element_ty), mask=m_dv2)
+            if SPLIT:
+                b_dh2 *= tl.exp(b_gl)
+        if USE_GK:
+            b_dh *= b_e[:, None]
+            if SPLIT:
+                b_dh2 *= b_e2[:, None]
         b_dh += tl.dot(b_q, b_do.to(b_q.dtype)) * scale
+        if SPLIT:
+            b_dh2 += tl.dot(b_q2, b_do.to(b_q2.dtype)) * scale
         if USE_W:
-            p_w, m_w = tile(w + (bos * H + i_h) * K, 0, i_c * BT, K, T, 1, H * K, BK, BT)
-            b_w = tl.load(p_w, mask=m_w, other=0.)
+            p_wb = w + (bos * H + i_h) * K
+            b_w = _load_half(p_wb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
             b_dh -= tl.dot(b_w, b_dv.to(b_w.dtype))
+            if SPLIT:
+                b_w2 = _load_half(p_wb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+                b_dh2 -= tl.dot(b_w2, b_dv.to(b_w2.dtype))
     if STORE_DH0:
-        p_dh0, m_dh0 = tile(dh0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, 1, BK, BV)
-        tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_dh0)
+        p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
+        _store_half(p_dh0, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
+        if SPLIT:
+            _store_half(p_dh0, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
 
 
-def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int) -> tuple[int, int, int, int]:
-    """BK covers K; BV is the largest block that still gives about one program per SM; the
-    software-pipelining depth is what the per-chunk tiles (3 of [BT, BK], 2 of [BT, BV]) leave
-    room for in shared memory (measured on the H200: bf16 K=128 fits 3 stages, fp32 or K=256 not)."""
-    BK = max(16, triton.next_power_of_2(K))
+def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool):
+    """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
+    one program per SM (the H200 sweep: B*H = 64 -> BV 64, B*H = 16 -> BV 16); the
+    software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
+    for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
+    backward at K * BV >= 128 * 64 (8 measured faster there) and K > 128."""
+    split = K > 128
+    BK = 128 if split else max(16, triton.next_power_of_2(K))
+    KP = 2 * BK if split else BK
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < sms:
+    while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < 0.9 * sms:
         BV //= 2
-    if BK >= 256:
+    if split:
         BV = min(BV, 32)
-    num_warps = 8 if BK * BV >= 128 * 64 else 4
-    stage_bytes = elem * 64 * (3 * BK + 2 * BV)
+    num_warps = 8 if split or (backward and KP * BV >= 128 * 64) else 4
+    stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    return BK, BV, num_warps, num_stages
+    return BK, BV, num_warps, num_stages, split
 
 
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
@@ -155,14 +221,14 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, H, K = k.shape
     V = u.shape[-1]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False)
     cfg = tuned("state_fwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     state_fwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
         k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
-        BT=plan.chunk_size, BK=BK, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
+        BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
     return h, v_new, ht
 
@@ -174,13 +240,13 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, H, K = k.shape
     V = do.shape[-1]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages = _state_blocks(K, V, N * H, k.device, k.element_size())
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True)
     cfg = tuned("state_bwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, K=K, V=V,
-        BT=plan.chunk_size, BK=BK, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
+        BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg)
     return dh, dh0, dv2

@@ -49,7 +49,7 @@ def _inv_diag16(Ai, g0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     o_r = tl.arange(0, 4)
     o_s = tl.arange(0, 16)
     b_n = tl.zeros([4, 16, 16], dtype=tl.float32)
-    for i in range(1, 16):
+    for i in tl.static_range(1, 16):  # unrolled: the 15 row loads do not wait on the substitution
         row = o_r * 16 + i  # [4]
         p = Ai + ((g0 + row).to(tl.int64) * H + i_h)[:, None] * BT + (o_r * 16)[:, None] + o_s[None, :]
         b_a = -tl.load(p, mask=(o_s[None, :] < i) & (row < n_valid)[:, None], other=0.)  # [4, 16]
@@ -251,7 +251,7 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
         Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
     wy_fwd_kernel[(plan.num_chunks, H)](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
                                          V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, REUSE_AI=reuse,
-                                         **tuned("wy_fwd"))
+                                         **tuned("wy_fwd", num_warps=2))
     return w, u, Ai
 
 
@@ -268,6 +268,6 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     dg_out = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if g is not None else None
     wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
                                          plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
-                                         BK=BK, BV=BV, USE_G=g is not None, HAS_DK=dk is not None,
-                                         HAS_DG=dg is not None, **tuned("wy_bwd"))
+                                         USE_G=g is not None, HAS_DK=dk is not None, HAS_DG=dg is not None,
+                                         **tuned("wy_bwd", BK=BK, BV=BV))
     return dk_out, dv, dbeta, dg_out

@@ -96,10 +96,11 @@ def test_scalar_gate_linear_attention_fwd_bwd(B, T, cu):
         assert rel(got, x[name].grad) < 1e-4, name
 
 
-@pytest.mark.parametrize("B,T,cu", CASES)
-def test_vector_gate_state_pass_fwd_bwd(B, T, cu):
-    """GLA's state stage: per-key decay, no WY correction, forward states and the reverse pass."""
-    H, K, V, scale = 2, 20, 24, 0.5
+@pytest.mark.parametrize("B,T,cu,K", [(2, 65, None, 20), (1, 130, [0, 1, 64, 130], 20), (1, 70, None, 136)])
+def test_vector_gate_state_pass_fwd_bwd(B, T, cu, K):
+    """GLA's state stage: per-key decay, no WY correction, forward states and the reverse pass
+    (K = 136 takes the two-half state path used beyond K = 128)."""
+    H, V, scale = 2, 24, 0.5
     N = B if cu is None else len(cu) - 1
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
     gk = F.logsigmoid(torch.randn(B, T, H, K) + 3)
@@ -124,3 +125,25 @@ def test_vector_gate_state_pass_fwd_bwd(B, T, cu):
             i += 1
     loss.backward()
     assert rel(dv, x["v"].grad) < 1e-4 and rel(dh0, x["h0"].grad) < 1e-4
+
+
+@pytest.mark.parametrize("K", [20, 136])
+def test_delta_state_pass_with_w(K):
+    """The delta-rule state pass (v_new = u - w h) against float64, including the two-half path."""
+    B, T, H, V = 1, 130, 2, 16
+    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    w, u = torch.randn(B, T, H, K) * 0.1, torch.randn(B, T, H, V)
+    g = F.logsigmoid(torch.randn(B, T, H) + 2)
+    plan = prepare_chunks(None, B, T)
+    gc = chunk_local_cumsum(g, plan)
+    h, v_new, ht = state_fwd(k, u, plan, w=w, g=gc, output_final_state=True)
+    S = torch.zeros(H, K, V, dtype=torch.float64)
+    states, news = [], []
+    for c in range(0, T, 64):
+        states.append(S)
+        kc, wc, uc, gcc = (x[0, c:c + 64].double().transpose(0, 1) for x in (k, w, u, gc))
+        vn = uc - wc @ S
+        news.append(vn)
+        S = gcc[:, -1].exp()[:, None, None] * S + (kc * (gcc[:, -1:] - gcc).exp()[..., None]).transpose(1, 2) @ vn
+    assert rel(h, torch.stack(states)) < 1e-5 and rel(ht[0], S) < 1e-5
+    assert rel(v_new[0].transpose(0, 1), torch.cat(news, 1)) < 1e-5
