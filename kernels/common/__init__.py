@@ -1,6 +1,7 @@
 """The chunkwise engine: the stages every chunkwise mixer (DeltaNet, Gated DeltaNet, GLA, SSD) composes.
 
-Chunk size ``BT = 64``. Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
+Chunk size ``BT = 64``; head dims up to 256 (the state pass keeps two 128-row halves beyond 128;
+on the H200 the delta-rule ops still refuse K or V > 128, see docs/benchmarks.md). Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
 ``prepare_chunks(cu_seqlens, batch, seqlen)``: inputs ``[B, T, ...]`` are read as ``[1, B*T, ...]``
 with ``cu_seqlens = [0, T, 2T, ...]`` when not packed, chunks are indexed per sequence (a chunk never
 straddles two documents), and per-chunk tensors (``h``, ``dh``) are ``[NT, H, K, V]`` with ``NT`` the
@@ -34,6 +35,10 @@ Stages (Triton, forward and backward; ``q, k [B,T,H,K]``, ``v, u, v_new [B,T,H,V
 - ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None)
   -> (dq, dk, dw, dg)``: dq (q dtype), dk (fp32, to be completed by ``wy_bwd`` for delta rules),
   dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32).
+- ``tile.tile(base, r0, c0, n_r, n_c, s_r, s_c, BR, BC) -> (pointers, mask)``: pointer tiles
+  (Triton 3.9 removed block pointers).
+- ``index.tuned(stage, **defaults)`` / ``index.TUNING``: launch parameters per stage, overridable
+  for sweeps (``ttr bench --stages --sweep``); never set in normal use.
 - ``torch_chunk.chunk_delta_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
   cu_seqlens)``: the chunked torch implementation (CPU backend), autograd through torch ops.
 """
