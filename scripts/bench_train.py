@@ -36,9 +36,9 @@ class NoCheckpointTrainer(Trainer):
 
 
 class FlaAdapter(torch.nn.Module):
-    """fla's ``GatedDeltaNetForCausalLM`` behind ttr's loss contract: fla returns the mean loss
-    over this micro-batch's targets; rescaling by ``targets / num_items_in_batch`` gives the
-    same sum / num_items loss (and gradient) ttr's model computes."""
+    """fla's ``GatedDeltaNetForCausalLM`` called the way the trainer calls ttr's model: packed
+    ``[1, B*T]`` input with ``cu_seqlens``, loss = summed token loss / ``num_items_in_batch``
+    (fla 0.6.0 implements the same convention)."""
 
     def __init__(self, ttr_config):
         super().__init__()
@@ -61,9 +61,8 @@ class FlaAdapter(torch.nn.Module):
         self.config = None  # the bench computes MFU itself
 
     def forward(self, input_ids, labels, cu_seqlens, num_items_in_batch, use_cache=False):
-        out = self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False)
-        targets = (labels[:, 1:] != -100).sum()  # labels are -100 at every segment start
-        return type(out)(loss=out.loss * targets / num_items_in_batch)
+        return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False,
+                          num_items_in_batch=num_items_in_batch)
 
 
 def flops_per_token(model: torch.nn.Module, ttr_config, seq_len: int) -> float:

@@ -42,6 +42,7 @@ class Trainer:
         self.cfg, self.resume, self.overwrite = cfg, resume, overwrite
         self.model_factory = model_factory or build_model
         self.stop_signal = None
+        self.encoder = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -230,7 +231,11 @@ class Trainer:
         ).loss
 
     def _trainer_state(self) -> dict:
-        states = self.acc.gather_for_metrics([self.batches.state()]) if self.world > 1 else [self.batches.state()]
+        states = [self.batches.state()]
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            states = gather_object(states)  # rank order
         return {
             "step": self.step, "tokens": self.tokens, "world_size": self.world, "data": states,
             "nonfinite_total": self.nonfinite_total, "nonfinite_streak": self.nonfinite_streak,
@@ -313,7 +318,12 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``train.max_steps``; returns the last metrics record (and ``stopped_by``)."""
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            if getattr(self, "encoder", None) is not None:  # no orphaned tokenisation workers
+                self.encoder.close()
+            raise
         cfg, t = self.cfg, self.cfg.train
         old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         record: dict = {}
