@@ -40,6 +40,9 @@ def test_hf_tokenizer_matches_sentencepiece(corpus_dir, cache_dir, tmp_path, mon
     assert hf(TRICKY, add_special_tokens=False)["input_ids"] == tok.encode(TRICKY)
     assert hf.decode(tok.encode(TRICKY)) == TRICKY
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 3)
+    as_hf = load_tokenizer(str(tmp_path / "hf"))  # any HF tokenizer folder works as tokenizer.path
+    assert as_hf.encode(TRICKY) == tok.encode(TRICKY) and (as_hf.bos_id, as_hf.eos_id) == (1, 2)
+    assert as_hf.vocab_size == tok.vocab_size
     reloaded = load_tokenizer(str(tmp_path / "hf" / "ttr_tokenizer.model"))
     assert isinstance(reloaded, SentencePieceTokenizer) and reloaded.encode(TRICKY) == tok.encode(TRICKY)
 
