@@ -123,7 +123,15 @@ def _final(states, cdt):
 
 
 def chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    """The chunkwise form in torch (no validation); differentiable by autograd."""
+    """The chunkwise form in torch (no validation); differentiable by autograd.
+
+    Computes in fp32 (float64 for float64 inputs) even under autocast, like the Triton path.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
     cdt = _compute_dtype(q)
     b, t, h, dk = q.shape
     if cu_seqlens is None:

@@ -157,3 +157,12 @@ def test_fp16(backend):
     assert [x.dtype for x in grads] == [torch.float16] * 3 + [torch.float32] * 2
     for a, b in zip([o, final, *grads], [o_ref, final_ref, *grads_ref]):
         assert rel_rms(a, b) < 2e-3
+
+
+def test_autocast_does_not_change_numerics(backend):
+    q, k, v, g, h0 = make_inputs(1, 70, 2, 8, 8, h0=True)
+    o, f = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o_ac, f_ac = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o_ac, o)
+    torch.testing.assert_close(f_ac, f)
