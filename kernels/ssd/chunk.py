@@ -34,6 +34,7 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
         gc = chunk_local_cumsum(g, plan)
         h, _, final = state_fwd(k, v, plan, g=gc, initial_state=initial_state,

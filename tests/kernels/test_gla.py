@@ -166,3 +166,12 @@ def test_autocast_does_not_change_numerics(backend):
         o_ac, f_ac = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o_ac, o)
     torch.testing.assert_close(f_ac, f)
+
+
+def test_non_contiguous_inputs(backend):
+    # views as a layer produces them: q, k, v split from one projection, a transposed state
+    qkv = torch.randn(1, 70, 2, 3 * 8)
+    q, k, v = qkv.split(8, dim=-1)
+    g = -torch.rand(1, 70, 2, 8)
+    h0 = torch.randn(1, 2, 8, 8).transpose(-1, -2)
+    check(chunk_gla, reference_gla, q, k, v, g, h0)
