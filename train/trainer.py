@@ -57,6 +57,10 @@ class Trainer:
         mode = t.distributed
         if mode == "auto":
             mode = "fsdp" if world > 1 and cuda else ("ddp" if world > 1 else "none")
+        if mode == "fsdp" and not cuda:
+            # accelerate shards only on accelerators (MULTI_CPU ignores the FSDP plugin): refuse
+            # rather than silently run DDP
+            raise ValueError("train.distributed='fsdp' needs CUDA GPUs; use 'ddp' or 'auto' on CPU")
         if mode == "fsdp":
             from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -331,7 +335,8 @@ class Trainer:
         try:
             self.sink.message(
                 f"run {self.run_dir}: {self.num_params / 1e6:.2f}M parameters, {self.world} process(es) "
-                f"({self.mode}), {self.batch_tokens} tokens/step ({self.accum} micro-batches per rank), "
+                f"({self.mode}: {self.acc.distributed_type.value}, {self.acc.mixed_precision} mixed precision, "
+                f"sharded params: {type(next(self.inner.parameters())).__name__}), {self.batch_tokens} tokens/step ({self.accum} micro-batches per rank), "
                 f"from step {self.step}"
             )
             peak = peak_flops(self.acc.device)

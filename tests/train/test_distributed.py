@@ -1,4 +1,5 @@
-"""Several processes on CPU (gloo): DDP and FSDP2 through the same loop, exact resume across ranks."""
+"""Several processes on CPU (gloo, DDP): resume across ranks; launch commands. FSDP2 needs GPUs
+(accelerate does not shard on CPU): it is exercised by the device runs."""
 
 import json
 import os
@@ -28,7 +29,7 @@ def test_launch_commands():
 
 
 @pytest.mark.slow
-def test_two_processes_ddp_fsdp_and_resume(corpus_dir, cache_dir, tmp_path):
+def test_two_processes_ddp_resume(corpus_dir, cache_dir, tmp_path):
     config = tmp_path / "empty.toml"
     config.write_text("")
 
@@ -49,5 +50,3 @@ def test_two_processes_ddp_fsdp_and_resume(corpus_dir, cache_dir, tmp_path):
     # the last float32 bit with two gloo processes (single-process resume is bit-exact, see
     # test_real_model), so they are compared to 1e-6.
     assert resumed[:5] == ddp[:5] and resumed == pytest.approx(ddp, rel=1e-6)
-    fsdp = run(tmp_path / "fsdp", 8, "fsdp")
-    assert fsdp == pytest.approx(ddp, rel=1e-5)

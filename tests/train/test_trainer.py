@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from ttr.train.checkpoint import checkpoint_dirs, latest_checkpoint
 from ttr.train.config import config_from_dict
@@ -73,6 +74,9 @@ def test_accumulation_matches_one_big_batch(corpus_dir, cache_dir, tmp_path):
     assert _losses(acc) == pytest.approx(_losses(big), rel=1e-5, abs=1e-6)
     with pytest.raises(ValueError, match="batch_tokens=100 must be a multiple"):
         _run(tiny_config(corpus_dir, cache_dir, tmp_path / "bad", train={"batch_tokens": 100}))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fsdp.*needs CUDA"):
+            _run(tiny_config(corpus_dir, cache_dir, tmp_path / "fsdp", train={"distributed": "fsdp"}))
 
 
 def test_checkpoints_keep_last_and_ignore_partial(corpus_dir, cache_dir, tmp_path):
