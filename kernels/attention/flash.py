@@ -31,35 +31,39 @@ from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 
 LOG2E = math.log2(math.e)
 
-# Autotune spaces stay small (device minutes cost), keyed on the block head dim. Above 128 the
-# tiles shrink so the q/k/v tiles fit the 228 KB of shared memory of an H100/H200 SM and the fp32
-# accumulators ([BM or BN, 256]) stay near 64 registers per thread.
+# Autotune spaces stay small (device minutes cost), keyed on the block head dim. Every config
+# below compiles for sm_90 (Triton 3.9, bf16) within shared memory and without register spills
+# (checked with cuobjdump -res-usage, except 16 bytes for fwd 128 x 128); above a head dim of 128
+# the tiles shrink so the fp32 accumulators ([BM or BN, 256]) still fit the register file.
 FWD_CONFIGS = [
-    triton.Config({"BM": 128, "BN": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=4),
     triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3),
     triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
 ]
 FWD_CONFIGS_WIDE = [
-    triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=2),
     triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=2),
 ]
 DKDV_CONFIGS = [
-    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=2),
-    triton.Config({"BM": 32, "BN": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BM": 32, "BN": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 16, "BN": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 32, "BN": 64}, num_warps=4, num_stages=3),
 ]
 DKDV_CONFIGS_WIDE = [
-    triton.Config({"BM": 32, "BN": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 16, "BN": 32}, num_warps=8, num_stages=2),
 ]
 DQ_CONFIGS = [
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BM": 128, "BN": 32}, num_warps=4, num_stages=3),
-    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 64, "BN": 32}, num_warps=4, num_stages=3),
 ]
 DQ_CONFIGS_WIDE = [
-    triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
     triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=3),
 ]
 # Under the interpreter (no driver, so no autotune) one small config is launched; BM != BN so
 # the tests exercise block ranges whose edges do not line up.
@@ -101,19 +105,22 @@ def _block_ranges(first, last, cs, ce, B: tl.constexpr):
 @triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    # the 64-bit block base advances as a scalar; in-block offsets stay 32-bit tiles
+    p_kj = p_k + j_lo.to(tl.int64) * (BN * stride_kt)
+    p_vj = p_v + j_lo.to(tl.int64) * (BN * stride_kt)
+    p_off = tl.arange(0, BN)[:, None] * stride_kt + o_d[None, :]
     for j in tl.range(j_lo, j_hi):
         o_n = j * BN + tl.arange(0, BN)
-        p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
         if MASK:
             m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
-            b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
-            b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_k = tl.load(p_kj + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_v = tl.load(p_vj + p_off, mask=m_kv, other=0.0)  # [BN, BD]
         elif D == BD:  # whole blocks lie inside the sequence: no mask at all
-            b_k = tl.load(p_k + p_off)
-            b_v = tl.load(p_v + p_off)
+            b_k = tl.load(p_kj + p_off)
+            b_v = tl.load(p_vj + p_off)
         else:
-            b_k = tl.load(p_k + p_off, mask=o_d[None, :] < D, other=0.0)
-            b_v = tl.load(p_v + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_k = tl.load(p_kj + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_v = tl.load(p_vj + p_off, mask=o_d[None, :] < D, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BM, BN]
         if MASK:
             m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
@@ -124,6 +131,8 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, strid
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         b_m = b_m_new
+        p_kj += BN * stride_kt
+        p_vj += BN * stride_kt
     return b_acc, b_l, b_m
 
 
@@ -149,7 +158,8 @@ def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
     p_q = q + bos.to(tl.int64) * stride_qt + i_hq * D
     p_k = k + bos.to(tl.int64) * stride_kt + i_hk * D
     p_v = v + bos.to(tl.int64) * stride_kt + i_hk * D
-    b_q = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :], mask=m_q, other=0.0)  # [BM, BD]
+    o_qt = m0.to(tl.int64) * stride_qt + (tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :])
+    b_q = tl.load(p_q + o_qt, mask=m_q, other=0.0)  # [BM, BD]
 
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -168,7 +178,7 @@ def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
     b_l = tl.where(b_l == 0.0, 1.0, b_l)  # rows past the sequence end only
     b_o = b_acc / b_l[:, None]
     p_o = o + bos.to(tl.int64) * stride_qt + i_hq * D
-    tl.store(p_o + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_q)
+    tl.store(p_o + o_qt, b_o.to(o.dtype.element_ty), mask=m_q)
     tl.store(lse + i_hq.to(tl.int64) * T_total + bos + o_m, b_m + tl.log2(b_l), mask=o_m < L)
 
 
@@ -189,23 +199,25 @@ def attn_bwd_delta_kernel(o, do, delta, T_total, HQ: tl.constexpr, D: tl.constex
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo, j_hi, L, W, stride_qt,
                 qk_scale, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr):
+    p_qj = p_q + j_lo.to(tl.int64) * (BM * stride_qt)
+    p_doj = p_do + j_lo.to(tl.int64) * (BM * stride_qt)
+    p_off = tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :]
     for j in tl.range(j_lo, j_hi):
         o_m = j * BM + tl.arange(0, BM)
         m_t = o_m < L
-        p_off = o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :]
         if MASK:
             m_q = m_t[:, None] & (o_d[None, :] < D)
-            b_q = tl.load(p_q + p_off, mask=m_q, other=0.0)  # [BM, BD]
-            b_do = tl.load(p_do + p_off, mask=m_q, other=0.0)  # [BM, BD]
+            b_q = tl.load(p_qj + p_off, mask=m_q, other=0.0)  # [BM, BD]
+            b_do = tl.load(p_doj + p_off, mask=m_q, other=0.0)  # [BM, BD]
             b_lse = tl.load(p_lse + o_m, mask=m_t, other=0.0)  # [BM]
             b_delta = tl.load(p_delta + o_m, mask=m_t, other=0.0)  # [BM]
         else:  # whole blocks lie inside the sequence
             if D == BD:
-                b_q = tl.load(p_q + p_off)
-                b_do = tl.load(p_do + p_off)
+                b_q = tl.load(p_qj + p_off)
+                b_do = tl.load(p_doj + p_off)
             else:
-                b_q = tl.load(p_q + p_off, mask=o_d[None, :] < D, other=0.0)
-                b_do = tl.load(p_do + p_off, mask=o_d[None, :] < D, other=0.0)
+                b_q = tl.load(p_qj + p_off, mask=o_d[None, :] < D, other=0.0)
+                b_do = tl.load(p_doj + p_off, mask=o_d[None, :] < D, other=0.0)
             b_lse = tl.load(p_lse + o_m)
             b_delta = tl.load(p_delta + o_m)
         b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
@@ -216,6 +228,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
         b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
+        p_qj += BM * stride_qt
+        p_doj += BM * stride_qt
     return b_dk, b_dv
 
 
@@ -238,7 +252,7 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W
     o_n = n0 + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_k = (o_n[:, None] < L) & (o_d[None, :] < D)
-    p_off = bos.to(tl.int64) * stride_kt + i_hk * D + o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+    p_off = (bos + n0).to(tl.int64) * stride_kt + i_hk * D + (tl.arange(0, BN)[:, None] * stride_kt + o_d[None, :])
     b_k = tl.load(k + p_off, mask=m_k, other=0.0)  # [BN, BD]
     b_v = tl.load(v + p_off, mask=m_k, other=0.0)  # [BN, BD]
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
@@ -266,19 +280,22 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, stride_kt, qk_scale,
               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    # the 64-bit block base advances as a scalar; in-block offsets stay 32-bit tiles
+    p_kj = p_k + j_lo.to(tl.int64) * (BN * stride_kt)
+    p_vj = p_v + j_lo.to(tl.int64) * (BN * stride_kt)
+    p_off = tl.arange(0, BN)[:, None] * stride_kt + o_d[None, :]
     for j in tl.range(j_lo, j_hi):
         o_n = j * BN + tl.arange(0, BN)
-        p_off = o_n[:, None].to(tl.int64) * stride_kt + o_d[None, :]
         if MASK:
             m_kv = (o_n[:, None] < L) & (o_d[None, :] < D)
-            b_k = tl.load(p_k + p_off, mask=m_kv, other=0.0)  # [BN, BD]
-            b_v = tl.load(p_v + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_k = tl.load(p_kj + p_off, mask=m_kv, other=0.0)  # [BN, BD]
+            b_v = tl.load(p_vj + p_off, mask=m_kv, other=0.0)  # [BN, BD]
         elif D == BD:  # whole blocks lie inside the sequence: no mask at all
-            b_k = tl.load(p_k + p_off)
-            b_v = tl.load(p_v + p_off)
+            b_k = tl.load(p_kj + p_off)
+            b_v = tl.load(p_vj + p_off)
         else:
-            b_k = tl.load(p_k + p_off, mask=o_d[None, :] < D, other=0.0)
-            b_v = tl.load(p_v + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_k = tl.load(p_kj + p_off, mask=o_d[None, :] < D, other=0.0)
+            b_v = tl.load(p_vj + p_off, mask=o_d[None, :] < D, other=0.0)
         b_p = tl.exp2(tl.dot(b_q, tl.trans(b_k)) * qk_scale - b_lse[:, None])  # [BM, BN]
         if MASK:
             m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] > o_m[:, None] - W) & (o_n[None, :] < L)
@@ -286,6 +303,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L
         b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+        p_kj += BN * stride_kt
+        p_vj += BN * stride_kt
     return b_dq
 
 
@@ -309,7 +328,7 @@ def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_s
     o_d = tl.arange(0, BD)
     m_t = o_m < L
     m_q = m_t[:, None] & (o_d[None, :] < D)
-    p_off = bos.to(tl.int64) * stride_qt + i_hq * D + o_m[:, None].to(tl.int64) * stride_qt + o_d[None, :]
+    p_off = (bos + m0).to(tl.int64) * stride_qt + i_hq * D + (tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :])
     b_q = tl.load(q + p_off, mask=m_q, other=0.0)  # [BM, BD]
     b_do = tl.load(do + p_off, mask=m_q, other=0.0)  # [BM, BD]
     b_lse = tl.load(lse + i_hq.to(tl.int64) * T_total + bos + o_m, mask=m_t, other=0.0)  # [BM]
