@@ -194,3 +194,39 @@ def test_bad_input(monkeypatch, backend):
     q2, k2, v2 = make_inputs(2, 10, 4, 2, 16)
     with pytest.raises(ValueError, match="batch size 1"):
         attention(q2, k2, v2, cu_seqlens=torch.tensor([0, 10], device=DEVICE))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [128, 256])
+def test_configs_fit_hopper_shared_memory(d):
+    """Every autotune config compiles for sm_90 (no GPU needed) within the 227 KiB an H100/H200
+    block may use, so head dim 256 runs rather than failing with OutOfResources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ttr.kernels.attention import flash
+
+    if interpreter_active():
+        pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 (no GPU needed)")
+    p = "*bf16"
+    sig = {"q": p, "k": p, "v": p, "o": p, "do": p, "dq": p, "dk": p, "dv": p, "lse": "*fp32", "delta": "*fp32",
+           "cu_seqlens": "*i32", "T_total": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32"}
+    wide = d > 128
+    kernels = [
+        (flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
+        (flash.attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS_WIDE if wide else flash.DKDV_CONFIGS),
+        (flash.attn_bwd_dq_kernel, flash.DQ_CONFIGS_WIDE if wide else flash.DQ_CONFIGS),
+    ]
+    for kernel, configs in kernels:
+        fn = kernel.fn
+        for config in configs:
+            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, **config.kwargs}
+            signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+            src = ASTSource(fn=fn, signature=signature,
+                            constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
+                            attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                                   if signature[n].startswith("*")})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+            assert compiled.metadata.shared <= 232448, (fn.__name__, config, compiled.metadata.shared)
