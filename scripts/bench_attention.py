@@ -117,6 +117,9 @@ def flex_swa(t, window, scale):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     block_mask = create_block_mask(band, B=None, H=None, Q_LEN=t, KV_LEN=t, device="cuda")
+    # one compile per (T, grad mode): keep dynamo from falling back to eager after 8 of them
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, scale=scale)
 
