@@ -1,16 +1,28 @@
 """Test configuration: markers, Triton interpreter on machines without CUDA, seeding."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-# Triton decides at decoration time whether a @triton.jit function is interpreted, so the
-# variable must be set before any ttr kernel module is imported.
+# Triton decides at import/decoration time whether @triton.jit functions are interpreted, so the
+# variable must be set before triton is imported (transformers imports it through torch._dynamo).
+# tests/ is deliberately not a package: pytest then imports this file before `ttr` itself.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+import ttr  # noqa: E402  (after TRITON_INTERPRET is decided)
+
+# The repository root is the `ttr` package. pytest's package setup imports a rootdir
+# `__init__.py` under the checkout directory's name ("main", "repo", ...), which would load a
+# second copy of every module and register the model classes twice with transformers' Auto
+# classes; point that name at the one real package instead.
+sys.modules.setdefault(Path(ttr.__file__).resolve().parent.name, ttr)
+
+# Tiny shapes: one thread is faster than two here (oversubscription on a 2-core CI machine).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

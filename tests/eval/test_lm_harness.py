@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.eval.tiny import make_checkpoint
+from .tiny import make_checkpoint
 
 pytest.importorskip("lm_eval")
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.eval.tiny import CORPUS, make_checkpoint
+from .tiny import CORPUS, make_checkpoint
 from ttr.eval.cli import main
 from ttr.eval.perplexity import _windows, extrapolation_sweep, perplexity, read_documents
 
