@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from .tiny import CORPUS, make_checkpoint
 from ttr.eval.cli import main
 from ttr.eval.perplexity import _windows, extrapolation_sweep, perplexity, read_documents
+
+from .tiny import CORPUS, make_checkpoint
 
 DOCS = [CORPUS[0] + " " + CORPUS[1], CORPUS[2], "é ü — " + CORPUS[3] * 3]
 

@@ -1,0 +1,63 @@
+"""The frame shared by the q/k/v linear mixers (DeltaNet, Gated DeltaNet, GLA).
+
+Each of them projects q, k and v, optionally runs each through a causal short conv (with its
+conv state in the cache while decoding), splits heads, calls a chunk kernel (training and
+prefill) or a recurrent kernel (one-token decoding) on the layer's recurrent state, and ends in
+an output projection scaled with depth. Subclasses add their gates and output norm.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..modules import ShortConv, run_short_convs
+
+
+class LinearMixer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d, h = config.hidden_size, config.num_heads
+        self.num_heads, self.head_k, self.head_v = h, config.head_dim, config.value_head_dim
+        self.q_proj = nn.Linear(d, h * self.head_k, bias=False)
+        self.k_proj = nn.Linear(d, h * self.head_k, bias=False)
+        self.v_proj = nn.Linear(d, h * self.head_v, bias=False)
+        self.convs = (
+            nn.ModuleList(
+                ShortConv(n, config.conv_size) for n in (h * self.head_k, h * self.head_k, h * self.head_v)
+            )
+            if config.use_short_conv
+            else None
+        )
+        self.o_proj = nn.Linear(h * self.head_v, d, bias=False)
+        self.o_proj._residual_out = True
+
+    def project_qkv(self, x, *, mask, cu_seqlens, layer_cache, decoding):
+        """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled."""
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = run_short_convs(
+                list(self.convs), [q, k, v], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
+                decoding=decoding,
+            )
+        h = self.num_heads
+        return q.view(b, t, h, self.head_k), k.view(b, t, h, self.head_k), v.view(b, t, h, self.head_v)
+
+    def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
+        """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""
+        kernel = recurrent_fn if decoding else chunk_fn
+        o, state = kernel(
+            *inputs,
+            initial_state=layer_cache.get("recurrent") if layer_cache is not None else None,
+            output_final_state=layer_cache is not None,
+            cu_seqlens=cu_seqlens,
+        )
+        if layer_cache is not None:
+            layer_cache["recurrent"] = state
+        return o
+
+    def output(self, o):
+        b, t = o.shape[:2]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_v))
