@@ -91,7 +91,9 @@ def test_tiny_mqar_run_learns_above_chance(tmp_path):
             "--lrs",
             "1e-2",
             "--steps",
-            "250",
+            # 250 steps sat on the copy-a-context-value plateau (~0.4) for some inits; 600 pass
+            # the recall transition for 4 of 5 seeds tried (seed 0, the default, reaches 0.99)
+            "600",
             "--batch-size",
             "32",
             "--vocab-size",
