@@ -399,6 +399,7 @@ def build_model(cfg, tokenizer):
         model = TTRForCausalLM.from_pretrained(cfg.model.init_from)
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"model.init_from has vocab {model.config.vocab_size} < the tokenizer's")
+        model.config.train_seq_len = cfg.train.seq_len
         return model
     overrides = dict(cfg.model.overrides)
     vocab = overrides.pop("vocab_size", 64 * -(-tokenizer.vocab_size // 64))
@@ -409,4 +410,7 @@ def build_model(cfg, tokenizer):
         cfg.model.preset, vocab_size=vocab, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id, **overrides,
     )
+    # the context the model is trained on, which `ttr eval` uses as lm-eval's max_length
+    # (max_position_embeddings may be larger)
+    config.train_seq_len = cfg.train.seq_len
     return TTRForCausalLM(config)

@@ -57,6 +57,9 @@ def test_resume_reproduces_uninterrupted_run(corpus_dir, cache_dir, tmp_path, mo
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     for (name, p), q in zip(at_end.state_dict().items(), exported.state_dict().values()):
         assert torch.equal(p, q), name
+    # the training context travels with the export: lm-eval's max_length comes from it
+    seq_len = json.loads((run / "run_config.json").read_text())["train"]["seq_len"]
+    assert exported.config.train_seq_len == seq_len
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
     ids = tok("alpha beta gamma\n", return_tensors="pt")["input_ids"]
     out = exported.generate(ids, max_new_tokens=5, do_sample=False)
