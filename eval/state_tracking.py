@@ -139,7 +139,8 @@ VARIANTS = (
     ("delta_net beta(0,2)", "delta_net", {"allow_neg_eigval": True}),
     ("gated_deltanet beta(0,1)", "gated_deltanet", {"allow_neg_eigval": False}),
     ("gated_deltanet beta(0,2)", "gated_deltanet", {"allow_neg_eigval": True}),
-    ("mamba2", "mamba2", {}),
+    ("mamba2 a(0,1)", "mamba2", {"allow_neg_eigval": False}),
+    ("mamba2 a(-1,1)", "mamba2", {"allow_neg_eigval": True}),
 )
 
 

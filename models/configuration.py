@@ -8,7 +8,8 @@ named by ``layer_types[i]`` (see ``ttr.models.layers.LAYER_TYPES``) and, unless
   dim ``head_dim`` (default ``hidden_size // num_heads``) and value head dim
   ``head_dim * expand_v``; a causal short convolution of width ``conv_size`` over q, k, v when
   ``use_short_conv``; ``allow_neg_eigval`` lets the delta-rule beta range over (0, 2) instead of
-  (0, 1) (Grazzi et al. 2024, arXiv:2411.12537); ``gla_gate_low_rank_dim`` and
+  (0, 1), and Mamba2's transition over (-1, 1) instead of (0, 1) (Grazzi et al. 2024,
+  arXiv:2411.12537); ``gla_gate_low_rank_dim`` and
   ``gla_gate_logit_normalizer`` shape GLA's forget gate.
 * ``mamba2``: inner width ``mamba_expand * hidden_size`` split into heads of
   ``mamba_head_dim``, ``mamba_n_groups`` groups of B/C with state size ``mamba_state_size``,

@@ -47,6 +47,14 @@ def recurrent_ssd(*args, **kwargs):
     return _kernel("ssd", "recurrent_ssd")(*args, **kwargs)
 
 
+def chunk_simple_gla(*args, **kwargs):
+    return _kernel("ssd", "chunk_simple_gla")(*args, **kwargs)
+
+
+def recurrent_simple_gla(*args, **kwargs):
+    return _kernel("ssd", "recurrent_simple_gla")(*args, **kwargs)
+
+
 def attention(*args, **kwargs):
     return _kernel("attention", "attention")(*args, **kwargs)
 

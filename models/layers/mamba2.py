@@ -11,6 +11,10 @@ Per head: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + 
   initialisation of the authors' release.
 * output: ``RMSNorm(y * silu(z))`` per group (gate before the norm, paper Sec. 7.3), then the
   output projection.
+* ``allow_neg_eigval``: the transition ``a_t = 2 exp(dt_t A) - 1`` ranges over (-1, 1) instead of
+  (0, 1), Grazzi et al. 2024 (arXiv:2411.12537, Sec. 4), which lets the layer track parity. The
+  log-space kernels take ``log|a_t|``; the sign is carried by the transform in
+  :func:`signed_decay_inputs` (no kernel change).
 """
 
 from __future__ import annotations
@@ -21,6 +25,42 @@ from torch import nn
 
 from .. import ops
 from ..modules import ShortConv, init_time_step_bias, mask_tokens, run_short_convs
+
+
+def sign_parity(negative: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``P_t = prod_{s <= t} sign(a_s)`` (+-1, fp32) per sequence, restarting at every document."""
+    count = negative.to(torch.int32).cumsum(1)  # [B, T, H]
+    if cu_seqlens is not None:
+        starts = cu_seqlens[:-1].long()
+        before = torch.cat([count.new_zeros(1, 1, count.shape[2]), count[:, :-1]], dim=1)  # exclusive
+        doc = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(count.shape[1], device=count.device),
+                                 right=True)
+        count = count - before[:, starts][:, doc]
+    return 1.0 - 2.0 * (count % 2).float()
+
+
+def signed_decay_inputs(a_signed, dt, xs, cu_seqlens):
+    """Run a transition with negative eigenvalues through the log-space simple-GLA kernels.
+
+    With ``P_t`` the running product of the signs of ``a_t`` and ``S'_t = P_t S_t``:
+    ``S'_t = |a_t| S'_{t-1} + B_t (P_t dt_t x_t)^T`` and ``y_t = P_t S'^T_t C_t``, so the kernel
+    sees the gate ``log|a_t|`` and the value ``P_t dt_t x_t``, the output is multiplied by ``P_t``
+    and the final state by ``P_T`` (``P_0 = 1``: the initial state is the true state).
+    Returns ``(g, v, P)``.
+    """
+    parity = sign_parity(a_signed < 0, cu_seqlens)
+    g = torch.log(a_signed.abs().clamp_min(1e-6))
+    v = (xs * (dt * parity).unsqueeze(-1)).to(xs.dtype)
+    return g, v, parity
+
+
+def last_parity(parity: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``P`` at the last token of every sequence, ``[N, H]`` (1 for an empty document)."""
+    if cu_seqlens is None:
+        return parity[:, -1]
+    ends = cu_seqlens[1:].long() - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.where((lengths > 0)[:, None], parity[0, ends.clamp_min(0)], torch.ones_like(parity[0, :1]))
 
 
 class Mamba2(nn.Module):
@@ -63,6 +103,20 @@ class Mamba2(nn.Module):
         ones = torch.ones(grouped.shape[-1], dtype=self.norm_weight.dtype, device=u.device)
         return ops.rms_norm(grouped, ones, eps=self.eps).reshape(shape) * self.norm_weight
 
+    def _signed_ssd(self, xs, dt, a, bm, cm, initial_state, output_final_state, cu_seqlens, decoding):
+        """The SSD step with ``a_t = 2 exp(dt_t A) - 1`` in (-1, 1) (``allow_neg_eigval``)."""
+        # dt = 0 at padded positions gives a_t = 1: no decay, no input, no sign flip
+        g, v, parity = signed_decay_inputs(2.0 * torch.exp(dt * a) - 1.0, dt, xs, cu_seqlens)
+        rep = self.num_heads // self.n_groups
+        q, k = cm.repeat_interleave(rep, dim=2), bm.repeat_interleave(rep, dim=2)
+        kernel = ops.recurrent_simple_gla if decoding else ops.chunk_simple_gla
+        y, state = kernel(q, k, v, g, scale=1.0, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        y = y * parity.unsqueeze(-1).to(y.dtype)
+        if state is not None:
+            state = state * last_parity(parity, cu_seqlens)[:, :, None, None]
+        return y, state
+
     def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
         b, t, _ = x.shape
         layer_cache = cache[self.layer_idx] if cache is not None else None
@@ -80,17 +134,14 @@ class Mamba2(nn.Module):
         # dt = 0 at padded positions: no decay (exp(0) = 1) and no input (B dt x = 0).
         (dt,) = mask_tokens(mask, dt)
         a = -self.A_log.float().exp()
-        kernel = ops.recurrent_ssd if decoding else ops.chunk_ssd
-        y, state = kernel(
-            xs,
-            dt,
-            a,
-            bm,
-            cm,
-            initial_state=layer_cache.get("recurrent") if layer_cache is not None else None,
-            output_final_state=layer_cache is not None,
-            cu_seqlens=cu_seqlens,
-        )
+        initial_state = layer_cache.get("recurrent") if layer_cache is not None else None
+        if self.config.allow_neg_eigval:
+            y, state = self._signed_ssd(xs, dt, a, bm, cm, initial_state, layer_cache is not None, cu_seqlens,
+                                        decoding)
+        else:
+            kernel = ops.recurrent_ssd if decoding else ops.chunk_ssd
+            y, state = kernel(xs, dt, a, bm, cm, initial_state=initial_state,
+                              output_final_state=layer_cache is not None, cu_seqlens=cu_seqlens)
         if layer_cache is not None:
             layer_cache["recurrent"] = state
         y = y + xs * self.D.to(xs.dtype)[:, None]
