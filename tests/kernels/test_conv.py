@@ -9,32 +9,10 @@ import pytest
 import torch
 
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, reference_causal_conv1d
-from ttr.kernels.utils import interpreter_active
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE, rel_rms
+
 TOL = 1e-4
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
-
-
-def rel_rms(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 def run(fn, x, weight, bias, h0, *, upcast, **kw):
     cast = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
     leaves = [cast(t).requires_grad_() if t is not None else None for t in (x, weight, bias, h0)]

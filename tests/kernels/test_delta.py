@@ -17,16 +17,12 @@ from ttr.kernels.gated_delta import (
     reference_gated_delta_rule,
 )
 
+from .conftest import rel_rms
+
 OPS = {
     "delta": (chunk_delta_rule, recurrent_delta_rule, reference_delta_rule, False),
     "gated_delta": (chunk_gated_delta_rule, recurrent_gated_delta_rule, reference_gated_delta_rule, True),
 }
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(op, B, T, H, K, V, *, beta_max=1.0, cu_seqlens=None, h0=True, dtype=torch.float32,
@@ -91,12 +87,6 @@ SINGLE = [
     (70, 1, 2.0, True, 136, 16),  # K > 128: the state pass keeps two halves of the state
 ]
 PACKED = [[0, 1, 64, 128, 258]]  # documents of length 1, 63, 64, 130
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -10,13 +10,9 @@ import torch
 
 from ttr.kernels.gla import chunk_gla, recurrent_gla, reference_gla
 
-BACKENDS = ["torch", "triton"]
+from .conftest import rel_rms
+
 TOL = 1e-4
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(b, t, h, dk, dv, *, decay=1.0, h0=False, n=None, device="cpu", dtype=torch.float32):
@@ -53,12 +49,6 @@ def check(fn, ref, q, k, v, g, h0=None, cu=None, tol=TOL, tol_dg=TOL):
         assert torch.isfinite(a).all(), name
         limit = tol_dg if name == "dg" else tol
         assert rel_rms(a, b) < limit, f"{name}: {rel_rms(a, b)}"
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("t", [1, 15, 63, 64, 65, 200])

@@ -15,6 +15,8 @@ from ttr.kernels.gla import chunk_gla, recurrent_gla
 from ttr.kernels.gla.reference import chunked
 from ttr.kernels.ssd import chunk_simple_gla, recurrent_simple_gla
 
+from .conftest import rel_rms
+
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -24,11 +26,6 @@ SHAPES = [  # (B, T, H, K, V, cu_seqlens)
     (1, 1024, 2, 256, 256, None),
     (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]),
 ]
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def poison():

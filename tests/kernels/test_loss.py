@@ -10,32 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from ttr.kernels.loss import linear_cross_entropy, reference_linear_cross_entropy
-from ttr.kernels.utils import interpreter_active
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE, rel_rms
+
 TOL = 1e-5
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
-
-
-def rel_rms(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 def unfused(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean"):
     return F.cross_entropy(
         F.linear(hidden, weight, bias), labels, ignore_index=ignore_index, reduction=reduction

@@ -9,32 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from ttr.kernels.norm import gated_rms_norm, reference_gated_rms_norm, reference_rms_norm, rms_norm
-from ttr.kernels.utils import interpreter_active
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE, rel_rms
+
 TOL = 1e-5
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
-        ),
-    ),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
-
-
-def rel_rms(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
 def run(fn, args, dy, upcast, **kw):
     leaves = [(a.detach().double() if upcast else a.detach().clone()).requires_grad_() for a in args]
     y = fn(*leaves, **kw)

@@ -17,13 +17,9 @@ from ttr.kernels.ssd import (
     reference_ssd,
 )
 
-BACKENDS = ["torch", "triton"]
+from .conftest import rel_rms
+
 TOL = 1e-4
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def run(fn, inputs, h0, cu, *, upcast, **kwargs):
@@ -71,12 +67,6 @@ SSD_NAMES = ["dx", "ddt", "dA", "dB", "dC"]
 # under strong decay dg is a reverse cumulative sum of nearly cancelling fp32 terms: both the
 # torch and the Triton backend land at 1-2e-4 relative RMS against float64 there
 STRONG_DECAY_TOL = {"dg": 5e-4}
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("t", [1, 15, 63, 64, 65, 200])

@@ -12,12 +12,9 @@ from ttr.kernels.gla.reference import chunked
 from ttr.kernels.ssd import chunk_ssd, recurrent_ssd
 from ttr.kernels.ssd.reference import ssd_as_simple_gla
 
+from .conftest import rel_rms
+
 pytestmark = pytest.mark.gpu
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def oracle(x, dt, A, B, C, *, initial_state, output_final_state, cu_seqlens):
