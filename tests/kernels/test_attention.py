@@ -9,14 +9,10 @@ from ttr.kernels.attention import attention, reference_attention
 from ttr.kernels.attention.reference import torch_attention
 from ttr.kernels.utils import interpreter_active
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .conftest import DEVICE
+
 # exact fp32 products under the interpreter; tf32 dots on a GPU
 TOL = 1e-4 if DEVICE == "cpu" else 5e-3
-
-needs_triton = pytest.mark.skipif(
-    DEVICE == "cpu" and not interpreter_active(), reason="Triton on CPU needs TRITON_INTERPRET=1"
-)
-
 
 @pytest.fixture
 def triton_backend(monkeypatch):
@@ -56,14 +52,12 @@ def check_against_oracles(q, k, v, tol=TOL, **kw):
         assert rel_err(x, alt) < 2 * tol, (name, "sdpa", rel_err(x, alt))
 
 
-@needs_triton
 @pytest.mark.parametrize("window", [1, 16, 64, None])
 @pytest.mark.parametrize("t", [1, 15, 63, 64, 65, 200])
 def test_triton_matches_oracles_gqa(triton_backend, t, window):
     check_against_oracles(*make_inputs(2 if t <= 65 else 1, t, 4, 1, 32), window=window)
 
 
-@needs_triton
 @pytest.mark.parametrize(
     "d,hq,hkv,window",
     [(32, 2, 2, None), (48, 2, 2, 16), (48, 4, 1, None), (64, 2, 2, 64), (64, 4, 2, None), (32, 3, 1, 16)],
@@ -72,7 +66,6 @@ def test_triton_head_dims_and_groups(triton_backend, d, hq, hkv, window):
     check_against_oracles(*make_inputs(1, 65, hq, hkv, d), window=window)
 
 
-@needs_triton
 @pytest.mark.parametrize(
     "lengths,window",
     [([1, 63, 64, 130], None), ([130, 0, 1, 64, 63], 16), ([64, 1, 130, 63], 64), ([63, 1, 64], 1)],
@@ -83,7 +76,6 @@ def test_triton_packed_documents(triton_backend, lengths, window):
     check_against_oracles(q, k, v, window=window, cu_seqlens=cu)
 
 
-@needs_triton
 def test_triton_packed_equals_separate_sequences(triton_backend):
     lengths = [17, 64, 40]
     q, k, v = make_inputs(1, sum(lengths), 2, 1, 32)
@@ -94,7 +86,6 @@ def test_triton_packed_equals_separate_sequences(triton_backend):
         assert rel_err(packed[:, bos:eos], alone) < TOL
 
 
-@needs_triton
 def test_triton_custom_scale_and_strided_inputs(triton_backend):
     # q, k, v as views of one fused projection (non-contiguous), with an explicit scale
     qkv = torch.randn(2, 40, 3 * 4 * 32, device=DEVICE)
@@ -102,7 +93,6 @@ def test_triton_custom_scale_and_strided_inputs(triton_backend):
     check_against_oracles(q, k, v, window=9, scale=0.3)
 
 
-@needs_triton
 def test_triton_fp16_close_to_reference(triton_backend):
     q, k, v = make_inputs(1, 65, 2, 1, 32, dtype=torch.float16)
     o = attention(q, k, v, window=16)
@@ -110,7 +100,6 @@ def test_triton_fp16_close_to_reference(triton_backend):
     assert o.dtype == torch.float16 and rel_err(o, ref) < 5e-3
 
 
-@needs_triton
 def test_triton_rejects_float64(triton_backend):
     q, k, v = make_inputs(1, 8, 2, 1, 16, dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"):
@@ -153,17 +142,13 @@ def test_default_backend_on_cpu_is_torch(monkeypatch):
     assert torch.equal(attention(q, k, v, window=5), torch_attention(q, k, v, window=5))
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_empty_sequence(monkeypatch, backend):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+def test_empty_sequence(backend):
     q, k, v = make_inputs(1, 0, 2, 1, 16)
     o = attention(q, k, v, window=4)
     assert o.shape == q.shape
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_bad_input(monkeypatch, backend):
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+def test_bad_input(backend):
     q, k, v = make_inputs(1, 10, 4, 2, 16)
     for window in (0, -3):
         with pytest.raises(ValueError, match="window"):
