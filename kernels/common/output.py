@@ -42,7 +42,7 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
         b_h = tl.load(p_h, mask=m_h, other=0.)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype))
         b_A += tl.dot(b_q, b_k)
-    m_A = o_i[:, None] >= o_i[None, :]
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
     if USE_G:
         b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         b_o *= tl.exp(b_g)[:, None]
@@ -70,7 +70,7 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_q, m_q = tile(q + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
         b_A += tl.dot(tl.load(p_k, mask=m_k, other=0.), tl.load(p_q, mask=m_q, other=0.))
-    m_A = o_i[:, None] <= o_i[None, :]
+    m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
     if USE_G:
         b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
@@ -124,8 +124,8 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
     b_q = tl.load(p_q, mask=m_q, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
-    m_A = o_i[:, None] >= o_i[None, :]
-    m_AT = o_i[:, None] <= o_i[None, :]
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
+    m_AT = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dqs *= scale
     if USE_G:
         last = tl.minimum((i_c + 1) * BT, T) - 1
