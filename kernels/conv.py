@@ -139,7 +139,10 @@ def _conv_fwd_kernel(
     SILU: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
+    dy=None,
+    GRAD: tl.constexpr = False,
 ):
+    """y = act(conv(x)); with GRAD, y = dy * act'(conv(x)) instead (the first backward pass)."""
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -148,10 +151,19 @@ def _conv_fwd_kernel(
     x += i_b.to(tl.int64) * T * D
     y += i_b.to(tl.int64) * T * D
     b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
-    if SILU:
-        b_a = b_a * tl.sigmoid(b_a)
     p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
-    tl.store(p_y, b_a.to(y.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    m_td = m_t[:, None] & m_d[None, :]
+    if GRAD:
+        p_dy = dy + i_b.to(tl.int64) * T * D + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+        b_dy = tl.load(p_dy, mask=m_td, other=0.0).to(tl.float32)
+        if SILU:
+            b_sig = tl.sigmoid(b_a)
+            b_dy = b_dy * b_sig * (1.0 + b_a * (1.0 - b_sig))
+        tl.store(p_y, b_dy.to(y.dtype.element_ty), mask=m_td)
+    else:
+        if SILU:
+            b_a = b_a * tl.sigmoid(b_a)
+        tl.store(p_y, b_a.to(y.dtype.element_ty), mask=m_td)
 
 
 @triton.jit
@@ -272,6 +284,11 @@ def _conv_update_kernel(
     tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
 
 
+# The SiLU backward in two passes (da first, then dx/dw from da): the single-pass kernel recomputes
+# the pre-activation at every shift and measured ~6x its forward on the H200 (docs/benchmarks.md).
+TWO_PASS_BACKWARD = True
+
+
 def _blocks(t: int, d: int, backward: bool) -> tuple[int, int]:
     """(BT, BD). The backward keeps ~6 live [BT, BD] fp32 blocks, so it takes half the tokens."""
     if interpreter_active():
@@ -309,6 +326,19 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
+    silu = activation == "silu"
+    if silu and TWO_PASS_BACKWARD and t:
+        # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
+        # shifts instead of recomputing the pre-activation W times (each from W loads of x)
+        da = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        bt1, bd1 = _blocks(t, d, backward=False)
+        _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](
+            x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
+            SILU=True, BT=bt1, BD=bd1, dy=dy, GRAD=True, num_warps=4,
+        )  # fmt: skip
+        dy, silu = da, False
     bt, bd = _blocks(t, d, backward=True)
     nt = triton.cdiv(t, bt)
     dx = torch.empty_like(x)
@@ -322,7 +352,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
             cu if cu is not None else x, t, d, nt,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
-            IS_VARLEN=cu is not None, SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
+            IS_VARLEN=cu is not None, SILU=silu, BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
         dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, t, w)

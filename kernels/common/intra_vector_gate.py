@@ -42,17 +42,19 @@ import triton.language as tl
 from ttr.kernels.common.index import ChunkPlan, tuned
 
 SUB_CHUNK = 16
-# Launch width of every kernel here: with 4 warps the [64, 64] fp32 tiles of the output and
-# backward kernels spill registers on sm_90 (checked with cuobjdump -res-usage, Triton 3.9).
-# Each launcher's block sizes and warps can be overridden through ``index.TUNING`` under the
-# stage names "vector_gate_scores", "vector_gate_output", "vector_gate_dv", "vector_gate_dA",
-# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg" (the bench script's sweep).
+# Launch parameters: each launcher's defaults come from the H200 sweep of
+# ``python -m ttr.scripts.bench_rows_gla_ssd --sweep`` (4 x 4096, H = 16, K = V = 128, bf16; the
+# numbers beside each launcher) and can be overridden through ``index.TUNING`` under the stage names
+# "vector_gate_scores", "vector_gate_output", "vector_gate_dv", "vector_gate_dA",
+# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg". ``DIAG_LOOP`` picks the diagonal sub-block's form:
+# a loop over its 16 tokens ([16, BK] element-wise each) or one [16, 16, BK] product (slower).
 NUM_WARPS = 8
 
 
 @triton.jit
 def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
-                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                              DIAG_LOOP: tl.constexpr):
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -89,9 +91,22 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
                 b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
                 b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
                 b_g = tl.load(gk + p_ik, mask=m_ik, other=0)
-                # [BC, BC, BK] element-wise, exponent masked to j <= i before exp
-                b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
-                b_A += tl.sum(b_q[:, None, :] * b_k[None, :, :] * tl.exp(b_d), 2)
+                if DIAG_LOOP:
+                    # one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
+                    for j in range(BC):
+                        p_j = ((s_i + j) * H + i_h) * K + o_k
+                        j_ok = s_i + j < eos
+                        m_j = o_k < tl.where(j_ok, K, 0)
+                        b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                        b_gj = tl.load(gk + p_j, mask=m_j, other=0)
+                        m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
+                        b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
+                        b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
+                        b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0)
+                else:
+                    # [BC, BC, BK] element-wise, exponent masked to j <= i before exp
+                    b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
+                    b_A += tl.sum(b_q[:, None, :] * b_k[None, :, :] * tl.exp(b_d), 2)
         p_A = A + (o_i[:, None] * H + i_h) * BT + i_j * BC + o_c[None, :]
         tl.store(p_A, b_A * scale, mask=m_i[:, None])
 
@@ -163,7 +178,8 @@ def vector_gate_dA_kernel(v, do, dA, cu_seqlens, chunk_indices, scale, H: tl.con
 
 @triton.jit
 def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
-                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                                 DIAG_LOOP: tl.constexpr):
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -212,11 +228,31 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
                 b_dAxi = tl.load(p_dA, mask=m_x[:, None], other=0)  # [BC rows x, BC cols i]
                 b_dk += tl.dot(tl.trans(b_dAxi), b_qg)
             b_dk *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0))
-        # the diagonal sub-block, element-wise over [BC (i), BC (j), BK], exponent masked to j <= i
-        b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
-        b_E = b_dAd[:, :, None] * tl.exp(b_d)
-        b_dq += tl.sum(b_E * b_k[None, :, :], 1)
-        b_dk += tl.sum(b_E * b_q[:, None, :], 0)
+        if DIAG_LOOP:
+            # the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the column
+            # (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
+            for x in range(BC):
+                p_x = ((s_i + x) * H + i_h) * K + o_k
+                x_ok = s_i + x < eos
+                m_x = o_k < tl.where(x_ok, K, 0)
+                b_kx = tl.load(k + p_x, mask=m_x, other=0).to(tl.float32)
+                b_qx = tl.load(q + p_x, mask=m_x, other=0).to(tl.float32)
+                b_gx = tl.load(gk + p_x, mask=m_x, other=0)
+                p_row = dA + ((s_i + x) * H + i_h) * BT + i_i * BC
+                b_dAcol = tl.load(dA + (o_i * H + i_h) * BT + i_i * BC + x, mask=m_i & (o_c >= x), other=0)
+                b_dArow = tl.load(p_row + o_c, mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
+                b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
+                                       float("-inf")))
+                b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
+                                       float("-inf")))
+                b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
+                b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
+        else:
+            # the diagonal sub-block, element-wise over [BC (i), BC (j), BK], exponent masked to j <= i
+            b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
+            b_E = b_dAd[:, :, None] * tl.exp(b_d)
+            b_dq += tl.sum(b_E * b_k[None, :, :], 1)
+            b_dk += tl.sum(b_E * b_q[:, None, :], 0)
         tl.store(dq + p_ik, b_dq, mask=m_ik)
         tl.store(dk + p_ik, b_dk, mask=m_ik)
 
@@ -289,7 +325,8 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     B, T, H, K = q.shape
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_scores", BK=_block_k_sub(K), num_warps=NUM_WARPS)
+    # H200 sweep (4 x 4096, H 16, K 128): the per-token diagonal loop with 2 warps, 1.84 -> 0.64 ms
+    cfg = tuned("vector_gate_scores", BK=min(_block_k_sub(K), 32), num_warps=2, DIAG_LOOP=True)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
         q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK, **cfg)
     return A
@@ -300,7 +337,8 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty_like(v)
-    cfg = tuned("vector_gate_output", BK=_block_k(K), BV=_block_v(V), num_warps=NUM_WARPS)
+    # H200 sweep: BV 128 with 4 warps, 0.229 -> 0.149 ms
+    cfg = tuned("vector_gate_output", BK=_block_k(K), BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)
     vector_gate_output_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
         **cfg)
@@ -311,7 +349,7 @@ def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
     """The intra-chunk gradient of v: ``A^T do`` (fp32)."""
     B, T, H, V = do.shape
     dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dv", BV=_block_v(V), num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_dv", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)  # 0.092 -> 0.073
     vector_gate_dv_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size, **cfg)
     return dv
@@ -332,7 +370,8 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_intra_bwd", BK=_block_k_sub(K), num_warps=NUM_WARPS)
+    # H200 sweep: the per-token diagonal loop, BK 64, 4 warps: 4.56 -> 1.48 ms
+    cfg = tuned("vector_gate_intra_bwd", BK=_block_k(K), num_warps=4, DIAG_LOOP=True)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
         **cfg)
@@ -350,8 +389,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    # two [64, BK] fp32 accumulators: BK = 32 keeps them in registers
-    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k_sub(K), BV=_block_v(V), num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k(K), BV=_block_v(V), num_warps=4)  # sweep: 0.598 -> 0.509
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, triton.cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
         H=H, K=K, V=V, BT=plan.chunk_size, **cfg)
