@@ -73,7 +73,7 @@ def flops_per_token(model: torch.nn.Module, ttr_config, seq_len: int) -> float:
 
 def bench(name: str, args) -> dict:
     overrides = [
-        f"--run_dir={args.run_root}/{name}", "--data.source=embedded", "--tokenizer.path=",
+        f"--run_dir={args.run_root}/{name}", "--data.source=embedded", f"--tokenizer.path={args.tokenizer}",
         "--model.overrides.vocab_size=32000", f"--train.micro_batch_size={args.micro_batch}",
         f"--train.seq_len={args.seq_len}", "--train.batch_tokens=0", f"--train.max_steps={args.steps}",
         "--optim.warmup_steps=2", "--train.export_at_end=false", "--train.precision=bf16",
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--recipe", default=str(CONFIG_DIR / "gated_deltanet-1.3b.toml"))
     parser.add_argument("--run-root", default="runs/bench_train")
+    parser.add_argument("--tokenizer", default="", help="tokenizer path (default: train the embedded BPE)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.steps <= args.window or args.window < 1 or args.steps % args.window:

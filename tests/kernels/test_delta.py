@@ -6,6 +6,8 @@ conftest) and the chunked torch backend, float32, tiny shapes. GPU (-m gpu): rea
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -294,8 +296,15 @@ def test_gpu_head_dim_above_128_refused(monkeypatch):
         call(OPS["delta"][0], "delta", x, None)
 
 
+# K = 256 (the split state pass) faults with an illegal address on the H200 (Triton 3.6), which
+# poisons the CUDA context of every later test in the process; the public ops refuse K > 128 on
+# CUDA until it is fixed, and this case stays here as the reproducer (run it alone).
+K256_FAULTS = pytest.mark.skipif(os.environ.get("TTR_RUN_K256") != "1",
+                                 reason="K = 256 state pass faults on the H200; TTR_RUN_K256=1 runs it")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("K", [128, pytest.param(256, marks=K256_FAULTS)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("cfg", [None, {"num_stages": 1}, {"num_stages": 2}, {"num_warps": 4}, {"num_warps": 8},
                                  {"BV": 64, "num_stages": 1}], ids=str)
