@@ -210,13 +210,27 @@ class TTRModel(TTRPreTrainedModel):
         )
 
 
+class LMHead(nn.Linear):
+    """The output projection. Given ``targets`` it returns the fused linear cross-entropy (summed
+    or mean over non-ignored targets) instead of logits. The loss goes through the module's own
+    forward rather than reading ``lm_head.weight`` from outside, so that wrappers which act on
+    forward calls see it: under FSDP2 (accelerate puts the final norm and the head in one unit)
+    the head's weight is only guaranteed gathered, and its gradient reduced, when it runs forward;
+    reading the weight from outside gave an illegal memory access on 2 H200s."""
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+        if targets is None:
+            return super().forward(hidden)
+        return ops.linear_cross_entropy(hidden, self.weight, targets, ignore_index=-100, reduction=reduction)
+
+
 class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
 
     def __init__(self, config: TTRConfig):
         super().__init__(config)
         self.model = TTRModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -313,10 +327,7 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             targets = self._targets(labels, hidden.shape[:2], cu_seqlens)
             reduction = "mean" if num_items_in_batch is None else "sum"
             if logits is None:
-                h = hidden.reshape(-1, hidden.shape[-1])
-                loss = ops.linear_cross_entropy(
-                    h, self.lm_head.weight, targets, ignore_index=-100, reduction=reduction
-                )
+                loss = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), targets=targets, reduction=reduction)
             else:
                 loss = F.cross_entropy(
                     logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction=reduction

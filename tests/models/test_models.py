@@ -183,6 +183,19 @@ def test_loss_fused_unfused_and_num_items():
     torch.testing.assert_close(summed * 4, manual)
 
 
+def test_fused_loss_runs_through_the_head_module():
+    """The fused loss is computed in ``lm_head``'s forward (FSDP2 gathers the head's weight and
+    reduces its gradient only around that forward); its grad reaches the head's weight."""
+    model = make_model("gated_deltanet")
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs.get("targets")),
+                                        with_kwargs=True)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    model(ids, labels=ids).loss.backward()
+    assert len(calls) == 1 and calls[0] is not None
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
 def test_packed_loss_ignores_document_boundaries():
     model = make_model("gated_deltanet")
     docs = [torch.randint(0, VOCAB, (1, n)) for n in (6, 5)]
