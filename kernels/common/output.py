@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import tile
+from ttr.kernels.common.tile import chunk_gate, tile
 
 
 @triton.jit
@@ -30,7 +30,6 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
     o_i = tl.arange(0, BT)
-    m_t = i_c * BT + o_i < T
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -42,9 +41,9 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
         b_h = tl.load(p_h, mask=m_h, other=0.)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype))
         b_A += tl.dot(b_q, b_k)
-    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
+    m_A = o_i[:, None] >= o_i[None, :]
     if USE_G:
-        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_o *= tl.exp(b_g)[:, None]
         b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_A = tl.where(m_A, b_A, 0.)
@@ -64,15 +63,14 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
     o_i = tl.arange(0, BT)
-    m_t = i_c * BT + o_i < T
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_q, m_q = tile(q + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
         b_A += tl.dot(tl.load(p_k, mask=m_k, other=0.), tl.load(p_q, mask=m_q, other=0.))
-    m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
+    m_A = o_i[:, None] <= o_i[None, :]
     if USE_G:
-        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
     b_A = tl.where(m_A, b_A * scale, 0.)
     for i_v in range(tl.cdiv(V, BV)):
@@ -124,13 +122,13 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
     b_q = tl.load(p_q, mask=m_q, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
-    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
-    m_AT = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    m_A = o_i[:, None] >= o_i[None, :]
+    m_AT = o_i[:, None] <= o_i[None, :]
     b_dqs *= scale
     if USE_G:
         last = tl.minimum((i_c + 1) * BT, T) - 1
         b_gl = tl.load(g + (bos + last) * H + i_h)
-        b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_dqs *= tl.exp(b_g)[:, None]
         b_dks *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
         b_dS *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))

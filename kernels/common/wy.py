@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import tile
+from ttr.kernels.common.tile import chunk_gate, tile
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
 
     if USE_G:
-        b_g = tl.load(g + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
     p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
     if not REUSE_AI:
         b_A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -91,7 +91,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
             p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
             b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
             b_A += tl.dot(b_k, tl.trans(b_k))
-        m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
+        m_A = o_i[:, None] > o_i[None, :]
         if USE_G:
             b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
         b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
@@ -153,13 +153,13 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     g0 = bos + i_c * BT
     o_i = tl.arange(0, BT)
     m_t = o_i < T - i_c * BT
-    m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]  # pairs of valid rows only: a padded row's g is 0, and exp(0 - g_j) overflows under strong decay
-    m_AT = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    m_A = o_i[:, None] > o_i[None, :]
+    m_AT = o_i[:, None] < o_i[None, :]
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_T = b_Ai * b_beta[None, :]
     if USE_G:
-        b_g = tl.load(g + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_eg = tl.exp(b_g)
 
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
