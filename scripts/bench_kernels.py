@@ -209,34 +209,14 @@ def stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
 
 def profile_stages(shapes: list[tuple[int, int]], sweep: bool) -> str:
     """Median ms per stage at the heuristic launch parameters, and (``sweep``) per alternative."""
-    from triton.testing import do_bench
-
-    from ttr.kernels.common.index import TUNING
+    from ttr.scripts.bench_utils import time_stages
 
     device = torch.device("cuda")
     out = []
     for gated in (True, False):
         for B, T in shapes:
-            calls = stage_calls(B, T, gated, device)
-            times = {n: do_bench(fn, warmup=10, rep=50, return_mode="median") for n, fn in calls.items()}
-            out.append(f"stages gated={gated} {B}x{T}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items()))
-            print(out[-1], flush=True)
-            if not (sweep and gated):
-                continue
-            for stage, options in SWEEP.items():
-                results = []
-                for cfg in options:
-                    TUNING[stage] = cfg
-                    try:
-                        results.append((do_bench(calls[stage], warmup=10, rep=50, return_mode="median"), cfg))
-                    except Exception as e:  # a config that does not fit is skipped
-                        print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
-                    finally:
-                        TUNING.pop(stage, None)
-                results.sort(key=lambda r: r[0])
-                out.append(f"  sweep {stage} {B}x{T}: default {times[stage]:.3f}; "
-                           + "; ".join(f"{t:.3f} {c}" for t, c in results[:4]))
-                print(out[-1], flush=True)
+            out += time_stages(stage_calls(B, T, gated, device), f"gated={gated} {B}x{T}",
+                               SWEEP if sweep and gated else None)
     return "\n".join(out)
 
 

@@ -120,9 +120,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    from triton.testing import do_bench
-
-    from ttr.kernels.common.index import TUNING
+    from ttr.scripts.bench_utils import time_stages
 
     parser = argparse.ArgumentParser(description="per-stage ms of chunk_gla (bf16, H=16, K=V=128)")
     parser.add_argument("--shapes", default="4x4096,1x16384", help="comma-separated BxT")
@@ -133,25 +131,7 @@ def main(argv=None) -> int:
         return 2
     for shape in args.shapes.split(","):
         B, T = (int(s) for s in shape.split("x"))
-        calls = gla_stage_calls(B, T)
-        times = {n: do_bench(fn, warmup=10, rep=50, return_mode="median") for n, fn in calls.items()}
-        print(f"gla stages {B}x{T}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items())
-              + f"; total {sum(times.values()):.3f}", flush=True)
-        if not args.sweep:
-            continue
-        for stage, options in GLA_SWEEP.items():
-            results = []
-            for cfg in options:
-                TUNING[stage] = cfg
-                try:
-                    results.append((do_bench(calls[stage], warmup=10, rep=50, return_mode="median"), cfg))
-                except Exception as e:  # a configuration that does not fit is skipped
-                    print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
-                finally:
-                    TUNING.pop(stage, None)
-            results.sort(key=lambda r: r[0])
-            print(f"  sweep {stage} {B}x{T}: default {times[stage]:.3f}; "
-                  + "; ".join(f"{t:.3f} {c}" for t, c in results[:5]), flush=True)
+        time_stages(gla_stage_calls(B, T), f"gla {B}x{T}", GLA_SWEEP if args.sweep else None)
     return 0
 
 

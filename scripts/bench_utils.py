@@ -29,3 +29,36 @@ def peak_mib(fn):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5) -> list[str]:
+    """Median ms of every stage closure in ``calls`` and, with ``sweep`` (stage -> list of launch
+    overrides for ``index.TUNING``), of each alternative, fastest first. Prints and returns the lines."""
+    import sys
+
+    from triton.testing import do_bench
+
+    from ttr.kernels.common.index import TUNING
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    times = {n: bench(fn) for n, fn in calls.items()}
+    lines = [f"stages {label}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items())
+             + f"; total {sum(times.values()):.3f}"]
+    print(lines[-1], flush=True)
+    for stage, options in (sweep or {}).items():
+        results = []
+        for cfg in options:
+            TUNING[stage] = cfg
+            try:
+                results.append((bench(calls[stage]), cfg))
+            except Exception as e:  # a configuration that does not fit is skipped
+                print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
+            finally:
+                TUNING.pop(stage, None)
+        results.sort(key=lambda r: r[0])
+        lines.append(f"  sweep {stage} {label}: default {times[stage]:.3f}; "
+                     + "; ".join(f"{t:.3f} {c}" for t, c in results[:top]))
+        print(lines[-1], flush=True)
+    return lines
