@@ -69,14 +69,12 @@ ROWS["ssd"] = Row(lambda **x: chunk_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"])
 #   python -m ttr.scripts.bench_rows_gla_ssd [--shapes 4x4096,1x16384] [--sweep]
 # A winning alternative goes into the heuristic defaults of kernels/common/intra_vector_gate.py.
 GLA_SWEEP = {
-    "vector_gate_scores": [dict(BK=bk, num_warps=nw, DIAG_LOOP=dl) for bk in (32, 64) for nw in (2, 4, 8)
-                           for dl in (False, True)],
+    "vector_gate_scores": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (1, 2, 4)],
     "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (64, 128) for bv in (64, 128)
                            for nw in (4, 8)],
     "vector_gate_dv": [dict(BV=bv, num_warps=nw) for bv in (64, 128) for nw in (4, 8)],
     "vector_gate_dA": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],
-    "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, DIAG_LOOP=dl) for bk in (16, 32, 64)
-                              for nw in (2, 4, 8) for dl in (False, True)],
+    "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (2, 4, 8)],
     "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (32, 64) for bv in (64, 128)
                              for nw in (4, 8)],
     "state_fwd": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],

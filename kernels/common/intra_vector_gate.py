@@ -17,8 +17,9 @@ BC = 16 and every product is arranged so that no exponent is positive:
   exp(G_ref - G_j)``; both exponents are <= 0 because ``j < first row of r <= i``, so the
   sub-block is one matrix product of ``q ⊙ exp(G - G_ref)`` and ``k ⊙ exp(G_ref - G)``.
   The backward of dk uses ``G_ref`` at the last row of the column sub-chunk, for the same reason.
-- diagonal sub-blocks: element-wise over ``[16, 16, BK]`` (``exp(G_i - G_j)`` per pair and key
-  dimension), with the exponent masked to ``j <= i`` *before* the exponential.
+- diagonal sub-blocks: element-wise, one token at a time (``[16, BK]`` products of
+  ``exp(G_i - G_j)`` per key dimension), with the exponent masked to ``j <= i`` *before* the
+  exponential. (One ``[16, 16, BK]`` product measured 2.9x slower on the H200.)
 
 An underflow to 0 of one factor is harmless: the true product is smaller still.
 
@@ -46,15 +47,13 @@ SUB_CHUNK = 16
 # ``python -m ttr.scripts.bench_rows_gla_ssd --sweep`` (4 x 4096, H = 16, K = V = 128, bf16; the
 # numbers beside each launcher) and can be overridden through ``index.TUNING`` under the stage names
 # "vector_gate_scores", "vector_gate_output", "vector_gate_dv", "vector_gate_dA",
-# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg". ``DIAG_LOOP`` picks the diagonal sub-block's form:
-# a loop over its 16 tokens ([16, BK] element-wise each) or one [16, 16, BK] product (slower).
+# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg".
 NUM_WARPS = 8
 
 
 @triton.jit
 def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
-                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                              DIAG_LOOP: tl.constexpr):
+                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -82,31 +81,24 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
                 b_kg = b_k.to(tl.float32) * tl.exp(b_gn[None, :] - b_gk)  # [BC, BK]
                 b_A += tl.dot(b_qg, tl.trans(b_kg))
         elif i_j == i_i:
-            m_ij = (o_c[:, None] >= o_c[None, :]) & m_i[:, None] & m_i[None, :]
             for i_k in range(tl.cdiv(K, BK)):
                 o_k = i_k * BK + tl.arange(0, BK)
                 m_k = o_k < K
                 m_ik = m_i[:, None] & m_k[None, :]
                 p_ik = (o_i[:, None] * H + i_h) * K + o_k[None, :]
                 b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
-                b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
                 b_g = tl.load(gk + p_ik, mask=m_ik, other=0)
-                if DIAG_LOOP:
-                    # one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
-                    for j in range(BC):
-                        p_j = ((s_i + j) * H + i_h) * K + o_k
-                        j_ok = s_i + j < eos
-                        m_j = o_k < tl.where(j_ok, K, 0)
-                        b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
-                        b_gj = tl.load(gk + p_j, mask=m_j, other=0)
-                        m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
-                        b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
-                        b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
-                        b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0)
-                else:
-                    # [BC, BC, BK] element-wise, exponent masked to j <= i before exp
-                    b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
-                    b_A += tl.sum(b_q[:, None, :] * b_k[None, :, :] * tl.exp(b_d), 2)
+                # one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
+                for j in range(BC):
+                    p_j = ((s_i + j) * H + i_h) * K + o_k
+                    j_ok = s_i + j < eos
+                    m_j = o_k < tl.where(j_ok, K, 0)
+                    b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                    b_gj = tl.load(gk + p_j, mask=m_j, other=0)
+                    m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
+                    b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
+                    b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
+                    b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0)
         p_A = A + (o_i[:, None] * H + i_h) * BT + i_j * BC + o_c[None, :]
         tl.store(p_A, b_A * scale, mask=m_i[:, None])
 
@@ -178,8 +170,7 @@ def vector_gate_dA_kernel(v, do, dA, cu_seqlens, chunk_indices, scale, H: tl.con
 
 @triton.jit
 def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
-                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                                 DIAG_LOOP: tl.constexpr):
+                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -190,17 +181,12 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
     o_c = tl.arange(0, BC)
     o_i = s_i + o_c
     m_i = o_i < eos
-    m_ij = (o_c[:, None] >= o_c[None, :]) & m_i[:, None] & m_i[None, :]
-    p_dAd = dA + (o_i[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :]
-    b_dAd = tl.where(m_ij, tl.load(p_dAd, mask=m_i[:, None], other=0), 0)  # [BC, BC] diagonal block of dA
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = (o_i[:, None] * H + i_h) * K + o_k[None, :]
-        b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
-        b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
-        b_g = tl.load(gk + p_ik, mask=m_ik, other=0)
+        b_g = tl.load(gk + p_ik, mask=m_ik, other=0)  # [BC, BK]
         # dq of rows in this sub-chunk: earlier sub-chunks through the reference point G(first row)
         b_dq = tl.zeros([BC, BK], dtype=tl.float32)
         b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)
@@ -228,31 +214,24 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
                 b_dAxi = tl.load(p_dA, mask=m_x[:, None], other=0)  # [BC rows x, BC cols i]
                 b_dk += tl.dot(tl.trans(b_dAxi), b_qg)
             b_dk *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0))
-        if DIAG_LOOP:
-            # the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the column
-            # (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
-            for x in range(BC):
-                p_x = ((s_i + x) * H + i_h) * K + o_k
-                x_ok = s_i + x < eos
-                m_x = o_k < tl.where(x_ok, K, 0)
-                b_kx = tl.load(k + p_x, mask=m_x, other=0).to(tl.float32)
-                b_qx = tl.load(q + p_x, mask=m_x, other=0).to(tl.float32)
-                b_gx = tl.load(gk + p_x, mask=m_x, other=0)
-                p_row = dA + ((s_i + x) * H + i_h) * BT + i_i * BC
-                b_dAcol = tl.load(dA + (o_i * H + i_h) * BT + i_i * BC + x, mask=m_i & (o_c >= x), other=0)
-                b_dArow = tl.load(p_row + o_c, mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
-                b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
-                                       float("-inf")))
-                b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
-                                       float("-inf")))
-                b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
-                b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
-        else:
-            # the diagonal sub-block, element-wise over [BC (i), BC (j), BK], exponent masked to j <= i
-            b_d = tl.where(m_ij[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
-            b_E = b_dAd[:, :, None] * tl.exp(b_d)
-            b_dq += tl.sum(b_E * b_k[None, :, :], 1)
-            b_dk += tl.sum(b_E * b_q[:, None, :], 0)
+        # the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the column
+        # (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
+        for x in range(BC):
+            p_x = ((s_i + x) * H + i_h) * K + o_k
+            x_ok = s_i + x < eos
+            m_x = o_k < tl.where(x_ok, K, 0)
+            b_kx = tl.load(k + p_x, mask=m_x, other=0).to(tl.float32)
+            b_qx = tl.load(q + p_x, mask=m_x, other=0).to(tl.float32)
+            b_gx = tl.load(gk + p_x, mask=m_x, other=0)
+            p_row = dA + ((s_i + x) * H + i_h) * BT + i_i * BC
+            b_dAcol = tl.load(dA + (o_i * H + i_h) * BT + i_i * BC + x, mask=m_i & (o_c >= x), other=0)
+            b_dArow = tl.load(p_row + o_c, mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
+            b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
+                                   float("-inf")))
+            b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
+                                   float("-inf")))
+            b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
+            b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
         tl.store(dq + p_ik, b_dq, mask=m_ik)
         tl.store(dk + p_ik, b_dk, mask=m_ik)
 
@@ -326,7 +305,7 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     # H200 sweep (4 x 4096, H 16, K 128): the per-token diagonal loop with 2 warps, 1.84 -> 0.64 ms
-    cfg = tuned("vector_gate_scores", BK=min(_block_k_sub(K), 32), num_warps=2, DIAG_LOOP=True)
+    cfg = tuned("vector_gate_scores", BK=min(_block_k_sub(K), 32), num_warps=2)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
         q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK, **cfg)
     return A
@@ -371,7 +350,7 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     # H200 sweep: the per-token diagonal loop, BK 64, 4 warps: 4.56 -> 1.48 ms
-    cfg = tuned("vector_gate_intra_bwd", BK=_block_k(K), num_warps=4, DIAG_LOOP=True)
+    cfg = tuned("vector_gate_intra_bwd", BK=_block_k(K), num_warps=4)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
         **cfg)
