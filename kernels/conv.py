@@ -188,10 +188,11 @@ def _conv_bwd_kernel(
     HAS_INIT: tl.constexpr,
     HAS_DFINAL: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    SILU: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
+    """dx, and partial dw/db/dinit, from ``dy`` = the gradient of the pre-activation (a SiLU's
+    derivative is applied before, by ``_conv_fwd_kernel`` with GRAD)."""
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -204,10 +205,6 @@ def _conv_bwd_kernel(
     # da(t) at this block's own tokens, for dw, db and the initial-state grad
     m_td = m_t[:, None] & m_d[None, :]
     b_da = tl.load(dy + o_t.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
-    if SILU:
-        b_a = _preact(x, w, bias, init, i_n, o_t, pos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
-        b_sig = tl.sigmoid(b_a)
-        b_da = b_da * b_sig * (1.0 + b_a * (1.0 - b_sig))
     # partial sums of this block, reduced over blocks by the launcher: dw [B * NT, W, D], db [B * NT, D]
     i_p = (i_b * NT + i_t).to(tl.int64)
     for s in tl.static_range(W):
@@ -234,12 +231,6 @@ def _conv_bwd_kernel(
             m_s = m_t & (o_s < eos)
             p_dy = dy + o_s.to(tl.int64)[:, None] * D + o_d[None, :]
             b_das = tl.load(p_dy, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            if SILU:
-                b_a = _preact(
-                    x, w, bias, init, i_n, o_s, pos + s, o_d, m_s, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD
-                )
-                b_sig = tl.sigmoid(b_a)
-                b_das = b_das * b_sig * (1.0 + b_a * (1.0 - b_sig))
         b_dx += b_das * b_w[None, :]
     if HAS_DFINAL:
         # the last W-1 tokens of a sequence are also its final state, slot j = t - (eos - (W-1))
@@ -284,11 +275,6 @@ def _conv_update_kernel(
     tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
 
 
-# The SiLU backward in two passes (da first, then dx/dw from da): the single-pass kernel recomputes
-# the pre-activation at every shift and measured ~6x its forward on the H200 (docs/benchmarks.md).
-TWO_PASS_BACKWARD = True
-
-
 def _blocks(t: int, d: int, backward: bool) -> tuple[int, int]:
     """(BT, BD). The backward keeps ~6 live [BT, BD] fp32 blocks, so it takes half the tokens."""
     if interpreter_active():
@@ -326,10 +312,10 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
-    silu = activation == "silu"
-    if silu and TWO_PASS_BACKWARD and t:
+    if activation == "silu" and t:
         # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
-        # shifts instead of recomputing the pre-activation W times (each from W loads of x)
+        # shifts; recomputing the pre-activation at each shift instead measured 14 % slower on the
+        # H200 (docs/benchmarks.md)
         da = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         bt1, bd1 = _blocks(t, d, backward=False)
         _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](
@@ -338,7 +324,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=True, BT=bt1, BD=bd1, dy=dy, GRAD=True, num_warps=4,
         )  # fmt: skip
-        dy, silu = da, False
+        dy = da
     bt, bd = _blocks(t, d, backward=True)
     nt = triton.cdiv(t, bt)
     dx = torch.empty_like(x)
@@ -352,7 +338,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
             cu if cu is not None else x, t, d, nt,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
-            IS_VARLEN=cu is not None, SILU=silu, BT=bt, BD=bd, num_warps=4,
+            IS_VARLEN=cu is not None, BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
         dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, t, w)

@@ -127,14 +127,6 @@ def bench_conv(args, dtype):
     for backend in ("triton", "torch"):
         fn = with_backend(backend, lambda: causal_conv1d(x, weight, bias, activation="silu")[0])
         row(f"ttr causal_conv1d [{backend}]", *measure(fn, inputs, args.reps, args.warmup, with_peak=True))
-    import ttr.kernels.conv as conv_module
-
-    conv_module.TWO_PASS_BACKWARD = False  # the earlier single-pass SiLU backward, for the record
-    try:
-        fn = with_backend("triton", lambda: causal_conv1d(x, weight, bias, activation="silu")[0])
-        row("ttr causal_conv1d [triton, one-pass bwd]", *measure(fn, inputs, args.reps, args.warmup, with_peak=True))
-    finally:
-        conv_module.TWO_PASS_BACKWARD = True
     try:
         from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 

@@ -70,20 +70,6 @@ def test_conv_packed(backend, w, h0):
     check(x, weight, bias, state if h0 else None, activation="silu", cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
-def test_silu_backward_forms(monkeypatch, two_pass):
-    """The SiLU backward in one pass (pre-activation recomputed per shift) and in two passes (da
-    first) agree with the oracle, packed with an initial state."""
-    import ttr.kernels.conv as conv
-
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
-    monkeypatch.setattr(conv, "TWO_PASS_BACKWARD", two_pass)
-    lens = [2, 70, 1, 57]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
-    x, weight, bias, state = make(1, sum(lens), 20, 4, n=len(lens))
-    check(x, weight, bias, state, activation="silu", cu_seqlens=cu)
-
-
 def test_packed_equals_separate(backend):
     lens = [3, 64, 1, 50]
     x, weight, bias, h0 = make(1, sum(lens), 16, 4, n=len(lens))
