@@ -225,6 +225,8 @@ def best_by_label(results: list[dict]) -> dict[str, dict]:
 
 def markdown_table(results: list[dict]) -> str:
     """All runs, one row per (model, lr), best lr of each model in bold."""
+    if not results:
+        return "(no MQAR runs finished)"
     configs = list(results[0]["per_config"])
     best = {id(r) for r in best_by_label(results).values()}
     head = ["model", "lr", "state size", "steps", "accuracy", *configs]

@@ -194,6 +194,8 @@ def best_by_label(results: list[dict]) -> dict[tuple[str, str], dict]:
 
 def markdown_table(results: list[dict]) -> str:
     """Best-lr final-answer accuracy per task, variant and evaluation length."""
+    if not results:
+        return "(no state-tracking runs finished)"
     best = best_by_label(results)
     lengths = list(results[0]["per_length"])
     head = ["task", "model", "best lr", "chance", *[f"L={n}" for n in lengths]]

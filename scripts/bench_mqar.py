@@ -35,7 +35,16 @@ NEGATIVE_EIGENVALUES = ("beta(0,2)", "a(-1,1)")  # the variants that must solve 
 
 
 def run(job: dict) -> dict:
-    return (mqar.run_job if job["kind"] == "mqar" else st.run_job)(job)
+    """One job; a failure is recorded (``error``) instead of losing every other job's result, and
+    each finished job is appended to ``OUT/jobs.jsonl`` at once, so a run cut short keeps its
+    finished jobs."""
+    try:
+        result = (mqar.run_job if job["kind"] == "mqar" else st.run_job)(job)
+    except Exception as e:  # noqa: BLE001 - reported in the table and the JSON
+        result = {**job, "error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(job["output"], "jobs.jsonl"), "a") as f:
+        f.write(json.dumps(result, default=str) + "\n")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                 max_seconds=budget,
             )
         )
+    os.makedirs(args.output, exist_ok=True)
     for i, job in enumerate(jobs):
         job["index"] = i
         job["device"] = args.device
+        job["output"] = args.output
     results = run_jobs(run, jobs, min(args.jobs, len(jobs)))
+    failed = [r for r in results if "error" in r]
+    results = [r for r in results if "error" not in r]
     mqar_results = [r for r in results if r["kind"] == "mqar"]
     state_results = [r for r in results if r["kind"] == "state"]
 
@@ -147,12 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             f"## MQAR (Zoology protocol, d_model {args.d_model}) and parity\n\n{env}",
             mqar.markdown_table(mqar_results),
             st.markdown_table(state_results),
-            "\n".join(checks),
+            "\n".join(checks + [f"- FAILED {r['label']} lr={r['lr']}: {r['error']}" for r in failed]),
         ]
     )
-    os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "recall.json"), "w") as f:
-        json.dump(results, f, indent=2, default=str)
+        json.dump(results + failed, f, indent=2, default=str)
     with open(os.path.join(args.output, "recall.md"), "w") as f:
         f.write(report + "\n")
     print(report)
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         mqar.plot(mqar_results, os.path.join(args.output, "mqar.png"))
     except ImportError:
         print("matplotlib is not installed: no mqar.png")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -19,3 +19,28 @@ def test_bench_mqar_runs_every_variant(tmp_path):
     assert labels == {label for label, _, _ in st.VARIANTS}
     report = (out / "recall.md").read_text()
     assert "MQAR attn" in report and "parity mamba2 a(-1,1)" in report
+
+
+def test_bench_mqar_records_a_failed_job(tmp_path, monkeypatch):
+    """One job that raises is reported (exit 1, FAILED line, error in the JSON); the others keep
+    their results, and every finished job is in jobs.jsonl."""
+    from ttr.eval import mqar
+
+    def boom(job):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(mqar, "run_job", boom)
+    out = tmp_path / "recall"
+    rc = bench_mqar.main([
+        "--output", str(out), "--jobs", "1", "--max-minutes", "0.002", "--mixers", "attn", "--mqar-lrs", "1e-3",
+        "--batch-size", "4", "--d-model", "16", "--vocab-size", "64", "--train-configs", "16:2:8",
+        "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--device", "cpu",
+    ])
+    assert rc == 1
+    results = json.loads((out / "recall.json").read_text())
+    errors = [r for r in results if "error" in r]
+    assert len(errors) == 1 and "injected" in errors[0]["error"]
+    assert len([r for r in results if r["kind"] == "state" and "error" not in r]) == len(st.VARIANTS)
+    assert "FAILED attn d=16 lr=0.001: RuntimeError: injected" in (out / "recall.md").read_text()
+    lines = (out / "jobs.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + len(st.VARIANTS)
