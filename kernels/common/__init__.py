@@ -1,7 +1,7 @@
 """The chunkwise engine: the stages every chunkwise mixer (DeltaNet, Gated DeltaNet, GLA, SSD) composes.
 
-Chunk size ``BT = 64``; head dims up to 256 (the state pass keeps two 128-row halves beyond 128;
-on the H200 the delta-rule ops still refuse K or V > 128, see docs/benchmarks.md). Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
+Chunk size ``BT = 64``; head dims up to 256 (the state pass keeps two 128-row halves beyond 128).
+Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
 ``prepare_chunks(cu_seqlens, batch, seqlen)``: inputs ``[B, T, ...]`` are read as ``[1, B*T, ...]``
 with ``cu_seqlens = [0, T, 2T, ...]`` when not packed, chunks are indexed per sequence (a chunk never
 straddles two documents), and per-chunk tensors (``h``, ``dh``) are ``[NT, H, K, V]`` with ``NT`` the

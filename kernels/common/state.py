@@ -52,8 +52,8 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK: one [256, BV]
-    # block gave wrong states / illegal addresses on the H200 with Triton 3.6.
+    # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
+    # _state_blocks for the one launch shape that is right on the H200).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -198,7 +198,12 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     one program per SM (the H200 sweep: B*H = 64 -> BV 64, B*H = 16 -> BV 16); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
-    backward at K * BV >= 128 * 64 (8 measured faster there) and K > 128."""
+    backward at K * BV >= 128 * 64 (8 measured faster there).
+
+    K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
+    every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
+    address, while this one matched float64 at K = V = 256, K = 192 / V = 160 and K = 136 / V = 64
+    in bf16 and fp32, forward and backward (the launch matrix in docs/benchmarks.md)."""
     split = K > 128
     BK = 128 if split else max(16, triton.next_power_of_2(K))
     KP = 2 * BK if split else BK
@@ -207,11 +212,21 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:
-        BV = min(BV, 32)
-    num_warps = 8 if split or (backward and KP * BV >= 128 * 64) else 4
+        return BK, 64, 4, 1, split
+    num_warps = 8 if backward and KP * BV >= 128 * 64 else 4
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
     return BK, BV, num_warps, num_stages, split
+
+
+def _checked(cfg: dict, elem: int) -> dict:
+    """Refuse the launch shape that is wrong on the H200 (Triton 3.6): 16-bit inputs, one pipeline
+    stage and BV < 64 gave states off by ~90 % at K = 128 and 256 (the defaults never pick it; a
+    TUNING override or sweep might)."""
+    if elem == 2 and cfg["num_stages"] == 1 and cfg["BV"] < 64:
+        raise ValueError(f"state pass launch {cfg}: with 16-bit inputs num_stages=1 needs BV >= 64 "
+                         "(smaller BV gives wrong states on the H200 with Triton 3.6)")
+    return cfg
 
 
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
@@ -222,7 +237,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     V = u.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False)
-    cfg = tuned("state_fwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
+    cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
+    cfg = cfg if split else _checked(tuned("state_fwd", **cfg), k.element_size())
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -241,7 +257,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     V = do.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True)
-    cfg = tuned("state_bwd", BV=BV, num_warps=num_warps, num_stages=num_stages)
+    cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
+    cfg = cfg if split else _checked(tuned("state_bwd", **cfg), k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None

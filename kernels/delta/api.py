@@ -61,12 +61,6 @@ def _check_triton_dtype(q: torch.Tensor) -> None:
 def chunk_dispatch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     if kernel_backend(q) == "triton":
         _check_triton_dtype(q)
-        if q.is_cuda and max(q.shape[-1], v.shape[-1]) > 128:
-            # Measured on the H200 (Triton 3.6): K = V = 256 gives wrong outputs / illegal addresses
-            # in the forward; the same kernels are right under the interpreter (K = 136). Until that is
-            # found, refuse rather than return garbage (docs/benchmarks.md, "Delta-rule kernels").
-            raise ValueError(f"the Triton delta-rule kernels take head dims up to 128 on CUDA for now, got "
-                             f"K={q.shape[-1]}, V={v.shape[-1]}; use TTR_KERNEL_BACKEND=torch")
         from ttr.kernels.delta.chunk import chunk_delta_triton
 
         return chunk_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

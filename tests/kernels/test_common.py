@@ -147,3 +147,14 @@ def test_delta_state_pass_with_w(K):
         S = gcc[:, -1].exp()[:, None, None] * S + (kc * (gcc[:, -1:] - gcc).exp()[..., None]).transpose(1, 2) @ vn
     assert rel(h, torch.stack(states)) < 1e-5 and rel(ht[0], S) < 1e-5
     assert rel(v_new[0].transpose(0, 1), torch.cat(news, 1)) < 1e-5
+
+
+def test_state_pass_refuses_the_wrong_launch_shape():
+    """16-bit inputs with one pipeline stage and BV < 64 gave wrong states on the H200."""
+    from ttr.kernels.common.state import _checked
+
+    bad = {"BV": 32, "num_warps": 4, "num_stages": 1}
+    with pytest.raises(ValueError, match="BV >= 64"):
+        _checked(bad, 2)
+    assert _checked(bad, 4) == bad and _checked({**bad, "BV": 64}, 2)["BV"] == 64
+    assert _checked({**bad, "num_stages": 2}, 2)["num_stages"] == 2

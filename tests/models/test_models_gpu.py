@@ -123,5 +123,14 @@ def test_triton_gradients_match_torch_backend(family, monkeypatch):
         grads[backend] = {
             n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
         }
-    for name, ref in grads["torch"].items():
-        assert rel_err(grads["triton"][name], ref) < 1e-2, name
+    errors = {name: rel_err(grads["triton"][name], ref) for name, ref in grads["torch"].items()}
+    bad = {name: f"{e:.2e}" for name, e in errors.items() if not e < _grad_tol(name)}
+    assert not bad, f"relative gradient errors above tolerance: {bad}"
+
+
+def _grad_tol(name: str) -> float:
+    """1e-2, except for the per-head decay scalars: their gradient is a sum over every token of
+    signed terms (``dA_log = sum_t dg_t g_t``), and on this input layer 1's head 0 cancels 29-fold
+    (``|sum dg g| = 4.3e-4`` against ``sum |dg g| = 1.25e-2``), so the tf32 noise of the per-token
+    ``dg`` (checked against float64 at 7.5e-3 in tests/kernels) reads as ~4e-2 here (H200)."""
+    return 6e-2 if name.endswith(("A_log", "dt_bias")) else 1e-2
