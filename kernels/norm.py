@@ -1,10 +1,14 @@
-"""RMSNorm and gated RMSNorm (the output norm of Mamba2 and Gated DeltaNet).
+"""RMSNorm, gated RMSNorm (the output norm of Mamba2 and Gated DeltaNet) and L2 normalisation
+(DeltaNet's q/k normalisation).
 
 Over the last dimension D of ``x [..., D]`` with fp32 statistics::
 
     rstd = 1 / sqrt(mean(x^2) + eps)
     rms_norm(x, w)          = x * rstd * w
     gated_rms_norm(x, z, w) = x * rstd * w * silu(z)      (Mamba2's norm-before-gate form)
+
+``l2_norm(x) = x / sqrt(sum(x^2) + eps)`` is ``rms_norm(x, w = 1/sqrt(D))`` with ``eps / D``, so it
+runs through the same kernels (the constant weight's gradient is dropped).
 
 Outputs have x's dtype. Backward (xhat = x * rstd, dy' = dy * silu(z) for the gated form)::
 
@@ -97,11 +101,11 @@ def _bwd_programs(blocks: int, device: torch.device) -> int:
     return max(1, min(blocks, 4))
 
 
-def _triton_fwd(x2, z2, w, eps):
+def _triton_fwd(x2, z2, w, eps, out_dtype=None):
     rows, d = x2.shape
     bd = triton.next_power_of_2(d)
     br = _block_rows(bd)
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=out_dtype or x2.dtype)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     if rows:
         _rms_norm_fwd_kernel[(triton.cdiv(rows, br),)](
@@ -129,12 +133,12 @@ def _triton_bwd(x2, z2, w, dy2, rstd):
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, z, weight, eps):
+    def forward(ctx, x, z, weight, eps, out_dtype=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         z2 = z.reshape(-1, shape[-1]).contiguous() if z is not None else None
         w = weight.contiguous()
-        y, rstd = _triton_fwd(x2, z2, w, eps)
+        y, rstd = _triton_fwd(x2, z2, w, eps, out_dtype)
         ctx.save_for_backward(x2, z2, w, rstd)
         ctx.shape = shape
         return y.reshape(shape)
@@ -145,11 +149,13 @@ class _RMSNormFunction(torch.autograd.Function):
         dy2 = dy.reshape(x2.shape).contiguous()
         dx, dz, dw = _triton_bwd(x2, z2, w, dy2, rstd)
         dz = dz.reshape(ctx.shape) if dz is not None else None
-        return dx.reshape(ctx.shape), dz, dw, None
+        return dx.reshape(ctx.shape), dz, dw, None, None
 
 
-def _check(x, z, weight, eps) -> None:
+def _check(x, z, weight, eps, out_dtype=None) -> None:
     check_dtype("x", x)
+    if out_dtype is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype!r}")
     check_dtype("weight", weight)
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dim [..., D]")
@@ -169,14 +175,14 @@ def _check(x, z, weight, eps) -> None:
             raise ValueError(f"{name} is on {other.device} but x is on {x.device}")
 
 
-def _torch_norm(x, z, weight, eps):
+def _torch_norm(x, z, weight, eps, out_dtype=None):
     """Autograd through plain torch ops, fp32 (fp64 for fp64 inputs) statistics."""
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)
     if z is not None:
         y = y * torch.nn.functional.silu(z.to(dt))
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 def reference_rms_norm(x, weight, *, eps=1e-6):
@@ -196,12 +202,35 @@ def reference_gated_rms_norm(x, z, weight, *, eps=1e-6):
     return (normed * zf * torch.sigmoid(zf)).to(x.dtype)
 
 
-def rms_norm(x, weight, *, eps=1e-6):
-    """RMSNorm over the last dim of ``x [..., D]`` with ``weight [D]``; output in x's dtype."""
+def reference_l2_norm(x, *, eps=1e-6):
+    """Oracle: ``x / sqrt(sum(x^2) + eps)`` over the last dim, in x's dtype promoted to fp32."""
+    check_dtype("x", x)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
+    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def l2_norm(x, *, eps=1e-6):
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim of ``x [..., D]``; output in x's dtype."""
+    check_dtype("x", x)
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dim [..., D]")
+    d = x.shape[-1]
+    weight = torch.full((d,), d ** -0.5, dtype=torch.float32, device=x.device)
     _check(x, None, weight, eps)
     if kernel_backend(x) == "torch":
-        return _torch_norm(x, None, weight, eps)
-    return _RMSNormFunction.apply(x, None, weight, float(eps))
+        return _torch_norm(x, None, weight, eps / d)
+    return _RMSNormFunction.apply(x, None, weight, float(eps) / d)
+
+
+def rms_norm(x, weight, *, eps=1e-6, out_dtype=None):
+    """RMSNorm over the last dim of ``x [..., D]`` with ``weight [D]``; output in ``out_dtype``
+    (default x's dtype). A pre-norm before bf16 projections asks for bf16 here: one cast inside the
+    kernel instead of one fp32 -> bf16 copy per projection (and an fp32 gradient per projection)."""
+    _check(x, None, weight, eps, out_dtype)
+    if kernel_backend(x) == "torch":
+        return _torch_norm(x, None, weight, eps, out_dtype)
+    return _RMSNormFunction.apply(x, None, weight, float(eps), out_dtype)
 
 
 def gated_rms_norm(x, z, weight, *, eps=1e-6):

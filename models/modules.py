@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype of x's device type when autocast is on there, else None."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, eps=self.eps)
+        # Under autocast the output is in the autocast dtype: every consumer of a pre-norm is a
+        # projection that would cast it anyway, once per projection (six in Gated DeltaNet).
+        return ops.rms_norm(x, self.weight, eps=self.eps, out_dtype=autocast_dtype(x))
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,51 +53,12 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_SwiGLUProduct.apply(self.gate_proj(x), self.up_proj(x)))
-
-
-class _SwiGLUProduct(torch.autograd.Function):
-    """``silu(gate) * up`` saving only the two inputs (autograd would also keep ``silu(gate)``,
-    a third [tokens, intermediate] activation per block)."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, dy):
-        # Same arithmetic (and dtype) as autograd's own silu/mul backward, with silu(gate) recomputed.
-        gate, up = ctx.saved_tensors
-        dgate = torch.ops.aten.silu_backward(dy * up, gate)
-        return dgate, dy * F.silu(gate)
-
-
-class _L2Normalize(torch.autograd.Function):
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim with (at least) fp32 arithmetic; saves the
-    output (in x's dtype) and ``1/norm`` only. Few passes over the activation: one reduction,
-    one multiply that writes x's dtype directly (fp32 math, cast on store)."""
-
-    @staticmethod
-    def forward(ctx, x, eps):
-        cdt = torch.promote_types(x.dtype, torch.float32)
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=cdt).square_().add_(eps).rsqrt_()
-        y = torch.mul(x, rstd, out=torch.empty_like(x))
-        ctx.save_for_backward(y, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        # d/dx (x * r) with r = 1/|x|: r * (dy - y <dy, y>)
-        y, rstd = ctx.saved_tensors
-        dyf = dy.to(rstd.dtype)
-        dot = (dyf * y).sum(-1, keepdim=True)
-        return torch.mul(dyf.addcmul_(y, dot, value=-1), rstd, out=torch.empty_like(y)), None
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """L2-normalise the last dim (DeltaNet's q/k normalisation, Yang et al. 2024, arXiv:2406.06484)."""
-    return _L2Normalize.apply(x, eps)
+    return ops.l2_norm(x, eps=eps)
 
 
 def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:

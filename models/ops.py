@@ -67,6 +67,14 @@ def causal_conv1d_update(*args, **kwargs):
     return _kernel("conv", "causal_conv1d_update")(*args, **kwargs)
 
 
+def l2_norm(*args, **kwargs):
+    return _kernel("norm", "l2_norm")(*args, **kwargs)
+
+
+def swiglu(*args, **kwargs):
+    return _kernel("swiglu", "swiglu")(*args, **kwargs)
+
+
 def rms_norm(*args, **kwargs):
     return _kernel("norm", "rms_norm")(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""RMSNorm and gated RMSNorm: every backend against the float64 oracle (outputs, dx, dz, dweight).
+"""RMSNorm, gated RMSNorm and L2 norm: every backend against the float64 oracle (outputs, dx, dz, dweight).
 
 Odd D, leading dims of any rank, mixed dtypes (fp32 weight with lower-precision x). The "triton"
 backend runs the Triton kernels (interpreter on CPU, fp32).
@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ttr.kernels.norm import gated_rms_norm, reference_gated_rms_norm, reference_rms_norm, rms_norm
+from ttr.kernels.norm import (
+    gated_rms_norm,
+    l2_norm,
+    reference_gated_rms_norm,
+    reference_l2_norm,
+    reference_rms_norm,
+    rms_norm,
+)
 
 from .conftest import DEVICE, rel_rms
 
@@ -97,3 +104,42 @@ def test_norms_gpu(monkeypatch, dtype, d):
     w = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
     check(rms_norm, reference_rms_norm, (x, w), tol=tol)
     check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), tol=tol)
+
+
+@pytest.mark.parametrize("shape", [(48,), (3, 100), (2, 5, 2, 128), (2, 3, 4, 33), (1, 3), (40, 2, 64)])
+def test_l2_norm(backend, shape):
+    x = torch.randn(*shape, device=DEVICE)
+    check(l2_norm, reference_l2_norm, (x,), eps=1e-6)
+    want = F.normalize(x.double(), dim=-1, eps=0)
+    assert rel_rms(l2_norm(x, eps=1e-6), want) < TOL
+
+
+def test_l2_norm_float64_gradcheck():
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: l2_norm(t, eps=1e-6), (x,))
+
+
+def test_l2_norm_bad_inputs():
+    with pytest.raises(TypeError, match="x"):
+        l2_norm(torch.randint(0, 3, (2, 4)))
+    with pytest.raises(ValueError, match="eps"):
+        l2_norm(torch.randn(2, 4), eps=-1.0)
+
+
+def test_rms_norm_out_dtype(backend):
+    """fp32 input, bf16 output (a pre-norm under autocast): the output is the fp32 result rounded
+    once (within one bf16 step: the interpreter truncates where the GPU rounds to nearest); dx stays
+    fp32 and equals the fp32 path's for the same bf16 output gradient."""
+    x = torch.randn(5, 96, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(96, device=DEVICE)
+    xa, xb = (x.clone().requires_grad_() for _ in range(2))
+    y = rms_norm(xa, w, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    y32 = rms_norm(xb, w)
+    torch.testing.assert_close(y.float(), y32.detach(), rtol=2**-7, atol=0)
+    dy = torch.randn(5, 96, device=DEVICE).to(torch.bfloat16)
+    y.backward(dy)
+    y32.backward(dy.float())
+    assert xa.grad.dtype == torch.float32 and rel_rms(xa.grad, xb.grad) < TOL
+    with pytest.raises(TypeError, match="out_dtype"):
+        rms_norm(x, w, out_dtype=torch.int32)
