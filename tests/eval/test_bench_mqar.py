@@ -6,13 +6,18 @@ from ttr.eval import state_tracking as st
 from ttr.scripts import bench_mqar
 
 
-def test_bench_mqar_runs_every_variant(tmp_path):
-    out = tmp_path / "recall"
-    rc = bench_mqar.main([
+def tiny_args(out) -> list[str]:
+    """Every job of the script at a size that runs in seconds on the CPU."""
+    return [
         "--output", str(out), "--jobs", "1", "--max-minutes", "0.002", "--mixers", "attn", "--mqar-lrs", "1e-3",
         "--batch-size", "4", "--d-model", "16", "--vocab-size", "64", "--train-configs", "16:2:8",
         "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--device", "cpu",
-    ])
+    ]
+
+
+def test_bench_mqar_runs_every_variant(tmp_path):
+    out = tmp_path / "recall"
+    rc = bench_mqar.main(tiny_args(out))
     assert rc == 0
     results = json.loads((out / "recall.json").read_text())
     labels = {r["label"] for r in results if r["kind"] == "state"}
@@ -31,11 +36,7 @@ def test_bench_mqar_records_a_failed_job(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mqar, "run_job", boom)
     out = tmp_path / "recall"
-    rc = bench_mqar.main([
-        "--output", str(out), "--jobs", "1", "--max-minutes", "0.002", "--mixers", "attn", "--mqar-lrs", "1e-3",
-        "--batch-size", "4", "--d-model", "16", "--vocab-size", "64", "--train-configs", "16:2:8",
-        "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--device", "cpu",
-    ])
+    rc = bench_mqar.main(tiny_args(out))
     assert rc == 1
     results = json.loads((out / "recall.json").read_text())
     errors = [r for r in results if "error" in r]
