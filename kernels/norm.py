@@ -10,7 +10,7 @@ Over the last dimension D of ``x [..., D]`` with fp32 statistics::
 ``l2_norm(x) = x / sqrt(sum(x^2) + eps)`` is ``rms_norm(x, w = 1/sqrt(D))`` with ``eps / D``, so it
 runs through the same kernels (the constant weight's gradient is dropped).
 
-Outputs have x's dtype. Backward (xhat = x * rstd, dy' = dy * silu(z) for the gated form)::
+Outputs have x's dtype (rms_norm: ``out_dtype`` when given). Backward (xhat = x * rstd, dy' = dy * silu(z) for the gated form)::
 
     dx = rstd * (w * dy' - xhat * mean(xhat * w * dy'))
     dz = dy * xhat * w * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
