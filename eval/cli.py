@@ -123,33 +123,19 @@ def _mqar(args) -> int:
     if unknown:
         raise SystemExit(f"ttr eval mqar: --mixer: unknown {unknown}; expected some of {list(MIXERS)}")
     overrides = dict(args.set or [])
-    jobs = []
-    for mixer in args.mixer:
-        for d_model in args.d_model:
-            label = f"{mixer} d={d_model}" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
-            for lr in args.lrs:
-                jobs.append(
-                    dict(
-                        index=len(jobs),
-                        mixer=mixer,
-                        d_model=d_model,
-                        num_heads=args.num_heads,
-                        lr=lr,
-                        label=label,
-                        seed=args.seed,
-                        vocab_size=args.vocab_size,
-                        batch_size=args.batch_size,
-                        eval_batch_size=args.eval_batch_size,
-                        steps=args.steps,
-                        epochs=args.epochs,
-                        train_configs=args.train_configs,
-                        test_configs=args.test_configs,
-                        device=args.device,
-                        amp=not args.no_amp,
-                        overrides=overrides,
-                        max_seconds=_seconds(args.max_minutes),
-                    )
-                )
+    jobs = [
+        mqar.make_job(
+            mixer, lr, d_model=d_model, num_heads=args.num_heads, seed=args.seed, vocab_size=args.vocab_size,
+            batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
+            train_configs=args.train_configs, test_configs=args.test_configs, overrides=overrides,
+            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+        for mixer in args.mixer
+        for d_model in args.d_model
+        for lr in args.lrs
+    ]
+    for i, job in enumerate(jobs):
+        job["index"] = i
     results = run_jobs(mqar.run_job, jobs, args.jobs)
     table = mqar.markdown_table(results)
     print(table)
@@ -178,38 +164,23 @@ def _state(args) -> int:
     unknown = [v for v in chosen if v not in variants]
     if unknown:
         raise SystemExit(f"ttr eval state: --variants: unknown {unknown}; expected some of {list(variants)}")
-    jobs = []
     for task in args.task:
         if task not in st.TASKS:
             raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
-        for label in chosen:
-            mixer, ov = variants[label]
-            for lr in args.lrs:
-                jobs.append(
-                    dict(
-                        index=len(jobs),
-                        task=task,
-                        label=label,
-                        mixer=mixer,
-                        overrides=ov,
-                        lr=lr,
-                        seed=args.seed,
-                        d_model=args.d_model,
-                        num_layers=args.num_layers,
-                        intermediate_size=args.intermediate_size,
-                        num_heads=args.num_heads,
-                        steps=args.steps,
-                        batch_size=args.batch_size,
-                        train_min=args.train_min,
-                        train_max=args.train_max,
-                        eval_lengths=args.eval_lengths,
-                        eval_examples=args.eval_examples,
-                        eval_batch_size=args.eval_batch_size,
-                        device=args.device,
-                        amp=not args.no_amp,
-                        max_seconds=_seconds(args.max_minutes),
-                    )
-                )
+    jobs = [
+        st.make_job(
+            task, label, lr, seed=args.seed, d_model=args.d_model, num_layers=args.num_layers,
+            intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
+            batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
+            eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
+            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+        for task in args.task
+        for label in chosen
+        for lr in args.lrs
+    ]
+    for i, job in enumerate(jobs):
+        job["index"] = i
     results = run_jobs(st.run_job, jobs, args.jobs)
     table = st.markdown_table(results)
     print(table)

@@ -153,6 +153,38 @@ class MixtureBatches:
         return x[idx], y[idx]
 
 
+def make_job(
+    mixer: str,
+    lr: float,
+    *,
+    d_model: int = 128,
+    num_heads: int = 1,
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    batch_size: int = 256,
+    eval_batch_size: int = 250,
+    steps: int = 0,
+    epochs: int = 0,
+    train_configs: tuple[MQARConfig, ...] = TRAIN_CONFIGS,
+    test_configs: tuple[MQARConfig, ...] = TEST_CONFIGS,
+    overrides: dict | None = None,
+    max_seconds: float | None = None,
+    amp: bool = True,
+    device: str | None = None,
+) -> dict:
+    """One (mixer, d_model, lr) job for :func:`run_job`, as plain values (it crosses a process
+    boundary). ``steps`` 0 means ``epochs`` over the training set; the label names the model
+    (mixer, width, overrides), so :func:`best_by_label` picks the best lr per model."""
+    overrides = dict(overrides or {})
+    label = f"{mixer} d={d_model}" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
+    return dict(
+        kind="mqar", mixer=mixer, d_model=d_model, num_heads=num_heads, lr=lr, label=label, seed=seed,
+        vocab_size=vocab_size, batch_size=batch_size, eval_batch_size=eval_batch_size, steps=steps,
+        epochs=epochs, train_configs=train_configs, test_configs=test_configs, overrides=overrides,
+        max_seconds=max_seconds, amp=amp, device=device,
+    )  # fmt: skip
+
+
 def run_job(job: dict) -> dict:
     """Train one (mixer, d_model, lr) model and evaluate it; ``job`` is a dict of plain values so
     that it can cross a process boundary. Returns the job plus its results."""

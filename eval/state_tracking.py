@@ -144,6 +144,44 @@ VARIANTS = (
 )
 
 
+def make_job(
+    task: str,
+    label: str,
+    lr: float,
+    *,
+    seed: int = 0,
+    d_model: int = 64,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+    num_heads: int = 1,
+    steps: int = 2000,
+    batch_size: int = 128,
+    train_min: int = 3,
+    train_max: int = 40,
+    eval_lengths: tuple[int, ...] = (40, 64, 128, 256),
+    eval_examples: int = 512,
+    eval_batch_size: int = 256,
+    max_seconds: float | None = None,
+    amp: bool = True,
+    device: str | None = None,
+) -> dict:
+    """One (task, variant, lr) job for :func:`run_job`, as plain values; ``label`` is one of
+    :data:`VARIANTS` (its mixer and config overrides are filled in)."""
+    variants = {name: (mixer, ov) for name, mixer, ov in VARIANTS}
+    if task not in TASKS:
+        raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+    if label not in variants:
+        raise ValueError(f"label: expected one of {list(variants)}, got {label!r}")
+    mixer, overrides = variants[label]
+    return dict(
+        kind="state", task=task, label=label, mixer=mixer, overrides=dict(overrides), lr=lr, seed=seed,
+        d_model=d_model, num_layers=num_layers, intermediate_size=intermediate_size, num_heads=num_heads,
+        steps=steps, batch_size=batch_size, train_min=train_min, train_max=train_max,
+        eval_lengths=list(eval_lengths), eval_examples=eval_examples, eval_batch_size=eval_batch_size,
+        max_seconds=max_seconds, amp=amp, device=device,
+    )  # fmt: skip
+
+
 def run_job(job: dict) -> dict:
     """Train one (task, variant, lr) model; evaluate final-answer accuracy at every eval length."""
     device = torch.device(job_device(job.get("index", 0), job.get("device")))

@@ -69,60 +69,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     parity_eval = [int(n) for n in args.parity_eval_lengths.split(",")]
     budget = 60.0 * args.max_minutes
-    jobs = []
-    for mixer in args.mixers.split(",") if args.only != "parity" else ():
-        for lr in map(float, args.mqar_lrs.split(",")):
-            jobs.append(
-                dict(
-                    kind="mqar",
-                    mixer=mixer,
-                    d_model=args.d_model,
-                    num_heads=1,
-                    lr=lr,
-                    label=f"{mixer} d={args.d_model}",
-                    seed=args.seed,
-                    vocab_size=args.vocab_size,
-                    batch_size=args.batch_size,
-                    eval_batch_size=250,
-                    steps=10**7,
-                    epochs=0,
-                    train_configs=args.train_configs,
-                    test_configs=args.test_configs,
-                    max_seconds=budget,
-                    overrides={},
-                )
-            )
-    variants = {label: (mixer, ov) for label, mixer, ov in st.VARIANTS}
-    parity = [(label, lr) for label in PARITY_VARIANTS for lr in map(float, args.parity_lrs.split(","))]
-    for label, lr in parity if args.only != "mqar" else ():
-        mixer, ov = variants[label]
-        jobs.append(
-            dict(
-                kind="state",
-                task="parity",
-                label=label,
-                mixer=mixer,
-                overrides=ov,
-                lr=lr,
-                # fp32 rather than bf16 autocast: the learned sign flips must compose over up to
-                # 256 steps, far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2)
-                # held 1.0 to L = 64 and fell to 0.71 at L = 256)
-                amp=False,
-                seed=args.seed,
-                d_model=64,
-                num_layers=2,
-                intermediate_size=128,
-                num_heads=1,
-                steps=10**7,
-                batch_size=128,
-                train_min=3,
-                train_max=args.parity_train_max,
-                eval_lengths=parity_eval,
-                eval_examples=512,
-                eval_batch_size=512,
-                max_seconds=budget,
-            )
-        )
+    mqar_jobs = [
+        mqar.make_job(
+            mixer, lr, d_model=args.d_model, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
+            steps=10**7, train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=budget,
+        )  # fmt: skip
+        for mixer in args.mixers.split(",")
+        for lr in map(float, args.mqar_lrs.split(","))
+    ]
+    parity_jobs = [
+        # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
+        # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
+        # and fell to 0.71 at L = 256)
+        st.make_job(
+            "parity", label, lr, seed=args.seed, steps=10**7, train_max=args.parity_train_max,
+            eval_lengths=parity_eval, eval_batch_size=512, max_seconds=budget, amp=False,
+        )  # fmt: skip
+        for label in PARITY_VARIANTS
+        for lr in map(float, args.parity_lrs.split(","))
+    ]
+    jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
     os.makedirs(args.output, exist_ok=True)
     for i, job in enumerate(jobs):
         job["index"] = i
