@@ -165,11 +165,8 @@ def run(ops: list[str], seqlens: list[int], with_fla: bool = True) -> str:
 
 
 SWEEP = {
-    "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (64, 128) for bv in (64, 128) for nw in (4, 8)],
-    "output_bwd_dqk": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
-                       for ns in (2, 3)],
-    "state_fwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
-    "state_bwd": [dict(BV=bv, num_warps=nw) for bv in (16, 32, 64) for nw in (4, 8)],
+    "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((32, 32), (32, 64), (64, 64), (64, 128), (128, 64),
+               (128, 128)) for nw in (4, 8)],
 }
 
 

@@ -143,7 +143,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, scratch, cu_seqlens, chunk_indices,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -154,27 +154,25 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     o_i = tl.arange(0, BT)
     m_t = o_i < T - i_c * BT
     m_A = o_i[:, None] > o_i[None, :]
-    m_AT = o_i[:, None] < o_i[None, :]
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
-    b_T = b_Ai * b_beta[None, :]
     if USE_G:
         b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_eg = tl.exp(b_g)
 
+    # Ordered so that few [BT, BT] fp32 tiles are live at once (each is 32 registers per thread
+    # at 4 warps): K K^T and dT first, then Ainv, then dA, consumed before the last loop.
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    # dT^T by its own products: tl.trans of a dot result miscompiles on Hopper with Triton 3.4 - 3.7.0
-    # (fla issue #640)
-    b_dTT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_KK += tl.dot(b_k, tl.trans(b_k))
         if USE_G:
             b_k = (b_k * b_eg[:, None]).to(b_k.dtype)
         b_dw = tl.load(p_dw, mask=m_dw, other=0.)
         b_dT += tl.dot(b_dw.to(b_k.dtype), tl.trans(b_k))
-        b_dTT += tl.dot(b_k, tl.trans(b_dw.to(b_k.dtype)))
+    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_du, m_du = tile(du + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
@@ -182,33 +180,39 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_v = tl.load(p_v, mask=m_v, other=0.)
         b_du = tl.load(p_du, mask=m_du, other=0.).to(b_v.dtype)
         b_dT += tl.dot(b_du, tl.trans(b_v))
-        b_dTT += tl.dot(b_v, tl.trans(b_du))
-        b_dv = tl.dot(tl.trans(b_T).to(b_v.dtype), b_du)
+        b_dv = tl.dot(tl.trans(b_Ai * b_beta[None, :]).to(b_v.dtype), b_du)  # T^T du
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
     # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
     b_dA = tl.dot(tl.trans(b_Ai), b_dT * b_beta[None, :])
     b_dA = tl.where(m_A, -tl.dot(b_dA, tl.trans(b_Ai)), 0.)
-    b_dAT = tl.dot(tl.dot(b_Ai, b_dTT * b_beta[:, None]), b_Ai)
-    b_dAT = tl.where(m_AT, -b_dAT, 0.)
     if USE_G:
         b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-        b_dAT *= tl.exp(tl.where(m_AT, b_g[None, :] - b_g[:, None], 0.))
-    # now b_dA is the gradient of beta_i <k_i, k_j> (i > j)
+    # now b_dA is the gradient of beta_i <k_i, k_j> Γ_ij... taken through Γ: the gradient of
+    # A_ij / (beta_i Γ_ij) = <k_i, k_j> (i > j) is dB = dA ⊙ beta_i Γ_ij (Γ already applied)
+    b_dbeta += tl.sum(b_dA * b_KK, 1)
+    tl.store(dbeta + (g0 + o_i) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     b_dB = b_dA * b_beta[:, None]
-    b_dBT = b_dAT * b_beta[None, :]
-    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BT], dtype=tl.float32)
+    if USE_G:
+        b_P = b_dB * b_KK
+        b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
+    # dk needs dB^T too: dB goes to this chunk's rows of the scratch and is read back transposed
+    # (tl.trans of a dot result used as a dot operand miscompiles on Hopper with Triton 3.4 -
+    # 3.7.0, fla issue #640; forming dB^T by its own products kept two more tiles live)
+    p_s = scratch + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    tl.store(p_s, b_dB, mask=m_t[:, None])
+    tl.debug_barrier()
+    p_sT = scratch + ((g0 + o_i) * H + i_h)[None, :] * BT + o_i[:, None]
+    b_dS = (b_dB + tl.load(p_sT, mask=m_t[None, :], other=0.)).to(k.dtype.element_ty)  # dB + dB^T
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dk, m_dk = tile(dk + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
         b_dw = tl.load(p_dw, mask=m_dw, other=0.).to(b_k.dtype)
-        b_KK += tl.dot(b_k, tl.trans(b_k))
-        b_dkb = tl.dot(tl.trans(b_T).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
-        b_dk = tl.dot(b_dB.to(b_k.dtype), b_k) + tl.dot(b_dBT.to(b_k.dtype), b_k)
+        b_dkb = tl.dot(tl.trans(b_Ai * b_beta[None, :]).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
+        b_dk = tl.dot(b_dS, b_k)
         if USE_G:
             b_dk += b_dkb * b_eg[:, None]
             b_dgc += tl.sum(b_dkb * b_k * b_eg[:, None], 1)
@@ -218,11 +222,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
             p_dki, m_dki = tile(dk_in + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
             b_dk += tl.load(p_dki, mask=m_dki, other=0.)
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
-    b_dbeta += tl.sum(b_dA * b_KK, 1)
-    tl.store(dbeta + (g0 + o_i) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
-        b_P = b_dB * b_KK
-        b_dgc += tl.sum(b_P, 1) - tl.sum(b_P, 0)
         if HAS_DG:
             b_dgc += tl.load(dg_in + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
         b_dgc = tl.where(m_t, b_dgc, 0.)
@@ -266,7 +266,8 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg_out = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if g is not None else None
-    wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
+    scratch = torch.empty_like(Ai)  # dA per chunk, read back transposed
+    wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out, scratch,
                                          plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
                                          USE_G=g is not None, HAS_DK=dk is not None, HAS_DG=dg is not None,
                                          **tuned("wy_bwd", BK=BK, BV=BV))
