@@ -10,8 +10,37 @@ input dtype; the running state is fp32 in registers):
   ``dv2 = dv + (k ⊙ decay) dh[c]``, then
   ``dh <- decay(h) dh + scale (q ⊙ exp(g))^T do - w^T dv2``.
 
-Each program owns one (sequence, head, V-block); splitting V fills the SMs when B*H is small
-(fla's state pass is the bottleneck at B = 1). The K axis is whole (``BK = next_pow2(K)``).
+Two implementations:
+
+- Sequential (``state_fwd_kernel`` / ``state_bwd_kernel``; always for the delta rules, whose
+  update ``(I - w^T k) h`` mixes the rows of the state). Each program owns one (sequence, head,
+  V-block) and walks the chunks, a ``[K, 64] x [64, BV]`` product per step; splitting V fills the
+  SMs when B*H is small (fla's state pass is the bottleneck at B = 1). The K axis is whole
+  (``BK = next_pow2(K)``, two halves of 128 beyond 128). Per step every program re-reads the
+  chunk's k (and gate) tile, so at B*H = 16 the walk costs ~3 us per chunk on the H200.
+- Two-level (without ``w``, for long sequences: GLA, simple GLA / SSD, no gate), as Mamba2's SSD does it
+  (chunk_state + state_passing). Without ``w`` the recursion is element-wise in the state,
+  ``h[c+1] = a_c ⊙ h[c] + ΔS_c`` with ``a_c = exp(g_last)`` (a scalar) or ``exp(gk_last)``
+  (per key row) and ``ΔS_c = (k ⊙ exp(g_last - g))^T v`` (no matrix product depends on the
+  chain), so (1) ``state_chunk_kernel`` computes every ``ΔS_c`` in parallel over chunks, heads and
+  K/V blocks (fp32 ``[NT, H, K, V]``, transient), and (2) ``state_scan_kernel`` walks the chunks
+  per (sequence, head, small K x V tile) with only an fma per step; its loads do not depend on the
+  chain, so the loop is software-pipelined (``tl.range(num_stages=...)``). The backward is the
+  same pair in reverse, ``ΔD_c = scale (q ⊙ exp(g))^T do`` and ``dh[c-1] = a_c ⊙ dh[c] + ΔD_c``,
+  then ``state_dv_kernel`` forms ``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]`` chunk-parallel.
+  It moves more bytes (the fp32 terms are written and read once: 2 - 3x the sequential
+  pass's HBM traffic at K = V = 128 in bf16) but no step of the chain waits on a matrix product or
+  on a re-read of k; it is bandwidth-bound at any B*H, where the sequential pass is
+  latency-bound once B*H * V / BV falls below the number of SMs.
+
+Choosing the path: without ``w``, the two-level pass runs when the sequences average at least
+``TWO_LEVEL_MIN_CHUNKS`` chunks (the measured crossover; shorter sequences fill the GPU with the
+sequential walk, which moves 2 - 3x fewer bytes); ``index.TUNING["state_fwd"] = {"two_level":
+False or True}`` (and ``"state_bwd"``) forces either (both paths agree to rounding). Launch
+parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
+"state_bwd_chunk", "state_bwd_scan" ({"BK", "BV", "num_warps", "num_stages"}; the scan tile is
+``[BK, BV]``) and "state_bwd_dv"; those of the sequential kernels under "state_fwd" and
+"state_bwd" ({"BV", "num_warps", "num_stages"}).
 """
 
 from __future__ import annotations
@@ -21,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import tile
+from ttr.kernels.common.tile import chunk_gate, tile
 
 
 @triton.jit
@@ -193,6 +222,104 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             _store_half(p_dh0, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
 
 
+@triton.jit
+def _gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
+    """The chunk's transposed key or query tile ``b_x [BK, BT]`` (key rows k0 .. k0+BK) times
+    ``exp(g_last - g)`` (DECAY: the decayed keys of the state update) or ``exp(g)`` (the gated
+    queries of the state gradient). Every exponent is <= 0; padded tokens (zero columns of b_x)
+    get a finite factor."""
+    last = tl.minimum((i_c + 1) * BT, T) - 1
+    if USE_G:
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # [BT]
+        if DECAY:
+            b_g = tl.load(g + (bos + last) * H + i_h) - b_g
+        b_x = (b_x * tl.exp(b_g)[None, :]).to(b_x.dtype)
+    if USE_GK:
+        if DECAY:
+            m_t = i_c * BT + tl.arange(0, BT) < T
+            b_x, _, _ = _decay_kT(b_x, gk, bos, last, i_c, m_t, i_h, k0, T, H, K, BT, BK)
+        else:
+            b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+            b_x = (b_x * tl.exp(b_gk)).to(b_x.dtype)
+    return b_x
+
+
+@triton.jit
+def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
+    """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
+    ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g))."""
+    i_kv, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    b_x = _load_half(x + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+    b_x = _gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
+    b_y = _load_half(y + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
+    b_s = tl.dot(b_x, b_y.to(b_x.dtype)) * scale
+    _store_half(out + (i_t.to(tl.int64) * H + i_h) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
+
+
+@triton.jit
+def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                      USE_GK: tl.constexpr, USE_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """``s <- a_c ⊙ s + d[c]`` over the chunks of one sequence for one ``[BK, BV]`` tile, storing
+    ``s`` *before* each step to ``h[c]``: the forward states (chunks in order, s0 the initial
+    state, sT the final one) or, with REVERSE, the state gradients ``dh`` (s0 = dht, sT = dh0)."""
+    i_nh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    NC = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += _load_half(s0 + i_nh.to(tl.int64) * K * V, i_k * BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+    # The software pipeliner prefetches the loads of later steps (they do not depend on s); it
+    # skips loads of a scalar, so the scalar gate is read as a [BK, 1] tile of one address.
+    for i_r in tl.range(0, NC, num_stages=STAGES):
+        if REVERSE:
+            i_c = NC - 1 - i_r
+        else:
+            i_c = i_r
+        p_c = ((boh + i_c) * H + i_h) * K * V
+        _store_half(h + p_c, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
+        last = bos + tl.minimum((i_c + 1) * BT, T) - 1
+        if USE_G:
+            b_s *= tl.exp(tl.load(g + last * H + i_h + tl.zeros([BK, 1], dtype=tl.int32)))
+        if USE_GK:
+            b_s *= tl.exp(tl.load(gk + (last * H + i_h) * K + o_k, mask=o_k < K, other=0.))[:, None]
+        b_s += _load_half(d + p_c, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
+    if STORE_ST:
+        _store_half(sT + i_nh.to(tl.int64) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
+
+
+@triton.jit
+def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                    USE_GK: tl.constexpr):
+    """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known)."""
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+    p_dh = dh + (i_t.to(tl.int64) * H + i_h) * K * V
+    for i_k in range(tl.cdiv(K, BK)):
+        b_kT = _load_half(k + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        b_kT = _gated_xT(b_kT, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, True)
+        b_dh = _load_half(p_dh, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)  # [BK, BV]
+        # the decayed k^T tile is loaded transposed (as in the sequential backward), so k = trans(load)
+        b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
+    _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+
+
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (the H200 sweep: B*H = 64 -> BV 64, B*H = 16 -> BV 16); the
@@ -229,16 +356,94 @@ def _checked(cfg: dict, elem: int) -> dict:
     return cfg
 
 
+# The two-level pass runs (without w) when the sequences average at least this many chunks. H200,
+# GLA, H = 16, K = V = 128, bf16 (docs/benchmarks.md, session 4): the sequential walk costs ~3.4
+# (forward) / ~5 (backward) us per chunk of the longest sequence, the two-level pass a fixed
+# ~0.27 / ~0.47 ms per 16K tokens: 0.22 vs 0.27 and 0.32 vs 0.47 ms at 4 x 4096 (64 chunks per
+# sequence), 0.76 vs 0.28 and 1.40 vs 0.47 ms at 1 x 16384 (256). The crossover is ~80-95 chunks.
+TWO_LEVEL_MIN_CHUNKS = 96
+
+
+def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan) -> bool:
+    """Two-level without ``w`` for long sequences (``TWO_LEVEL_MIN_CHUNKS``); ``TUNING[stage]
+    ["two_level"]`` overrides the choice."""
+    if w is not None:
+        return False
+    long_seqs = plan.num_chunks >= TWO_LEVEL_MIN_CHUNKS * plan.num_seqs
+    return bool(tuned(stage, two_level=long_seqs)["two_level"])
+
+
+def _sequential_cfg(stage: str, **defaults) -> dict:
+    """The sequential kernels' launch parameters (the path switch is not one of them)."""
+    cfg = tuned(stage, **defaults)
+    cfg.pop("two_level", None)
+    return cfg
+
+
+def _block(n: int, cap: int) -> int:
+    return min(cap, max(16, triton.next_power_of_2(n)))
+
+
+def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
+                 stage: str) -> torch.Tensor:
+    """``ΔS`` (decay: x = k, y = v) or ``ΔD`` (x = q, y = do), fp32 ``[NT, H, K, V]``."""
+    B, T, H, K = x.shape
+    V = y.shape[-1]
+    cfg = tuned(stage, BK=_block(K, 64), BV=_block(V, 64), num_warps=4)
+    out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(K, cfg["BK"]) * triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)
+    state_chunk_kernel[grid](x, y, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V,
+                             BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay, **cfg)
+    return out
+
+
+def _scan(d: torch.Tensor, plan: ChunkPlan, *, g, gk, start, need_end: bool, dtype: torch.dtype, reverse: bool,
+          stage: str):
+    """Walks ``d`` (``_chunk_terms``) over the chunks: ``(h or dh in dtype, final state fp32 or None)``.
+    Small tiles (default ``[32, 32]``: 256 programs at B*H = 16, K = V = 128) so that many programs
+    stream at once; each step is one fma on a tile, so the chain is bound by the loads, which the
+    pipeliner keeps ``num_stages - 1`` steps ahead (4 KB of shared memory per stage at [32, 32])."""
+    NT, H, K, V = d.shape
+    N = plan.num_seqs
+    cfg = tuned(stage, BK=min(32, triton.next_power_of_2(K)), BV=min(32, triton.next_power_of_2(V)), num_warps=4,
+                num_stages=4)
+    h = torch.empty(d.shape, device=d.device, dtype=dtype)
+    end = torch.empty(N, H, K, V, device=d.device, dtype=torch.float32) if need_end else None
+    grid = (N * H, triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"]))
+    state_scan_kernel[grid](d, g, gk, h, start, end, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
+                            BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, USE_S0=start is not None,
+                            STORE_ST=need_end, REVERSE=reverse, STAGES=cfg["num_stages"], **cfg)
+    return h, end
+
+
+def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *, g, gk) -> torch.Tensor:
+    B, T, H, K = k.shape
+    V = dv.shape[-1]
+    # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
+    cfg = tuned("state_bwd_dv", BK=_block(K, 64), BV=_block(V, 64), num_warps=4, num_stages=2)
+    dv2 = torch.empty_like(dv)
+    state_dv_kernel[(triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)](
+        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
+        USE_G=g is not None, USE_GK=gk is not None, **cfg)
+    return dv2
+
+
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False):
-    """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``."""
+    """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``.
+    Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
+    if _two_level("state_fwd", w, plan):
+        dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk")
+        h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
+                      reverse=False, stage="state_fwd_scan")
+        return h, u, ht
     B, T, H, K = k.shape
     V = u.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
-    cfg = cfg if split else _checked(tuned("state_fwd", **cfg), k.element_size())
+    cfg = cfg if split else _checked(_sequential_cfg("state_fwd", **cfg), k.element_size())
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -252,13 +457,20 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
 def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *,
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
               gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False):
-    """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)``."""
+    """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
+    dtype). Without ``w`` and with long sequences the two-level pass (``_two_level``)."""
+    if _two_level("state_bwd", w, plan):
+        dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
+        dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
+                        stage="state_bwd_scan")
+        del dD  # fp32 [NT, H, K, V]: free before dv2 is allocated
+        return dh, dh0, _dv_with_states(k, dh, dv, plan, g=g, gk=gk)
     B, T, H, K = k.shape
     V = do.shape[-1]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
-    cfg = cfg if split else _checked(tuned("state_bwd", **cfg), k.element_size())
+    cfg = cfg if split else _checked(_sequential_cfg("state_bwd", **cfg), k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
