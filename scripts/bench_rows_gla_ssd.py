@@ -69,16 +69,17 @@ ROWS["ssd"] = Row(lambda **x: chunk_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"])
 #   python -m ttr.scripts.bench_rows_gla_ssd [--shapes 4x4096,1x16384] [--sweep]
 # A winning alternative goes into the heuristic defaults of kernels/common/intra_vector_gate.py.
 GLA_SWEEP = {
-    "vector_gate_scores": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (1, 2, 4)],
-    "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (64, 128) for bv in (64, 128)
-                           for nw in (4, 8)],
-    "vector_gate_dv": [dict(BV=bv, num_warps=nw) for bv in (64, 128) for nw in (4, 8)],
-    "vector_gate_dA": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],
-    "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw) for bk in (16, 32, 64) for nw in (2, 4, 8)],
-    "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw) for bk in (32, 64) for bv in (64, 128)
-                             for nw in (4, 8)],
-    "state_fwd": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],
-    "state_bwd": [dict(BV=bv, num_warps=nw) for bv in (32, 64) for nw in (4, 8)],
+    "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
+                           for ns in (1, 2, 3)],
+    "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (4, 8)
+                              for ns in (1, 2)],
+    # the sequential state pass (two_level=False) against the two-level one's tiles
+    "state_fwd": [dict(two_level=False)],
+    "state_bwd": [dict(two_level=False)],
+    "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32), (32, 64),
+                       (64, 64)) for nw in (2, 4) for ns in (2, 4)],
+    "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32), (32, 64))
+                       for ns in (2, 4)],
 }
 
 
@@ -107,6 +108,9 @@ def gla_stage_calls(B, T, H=16, D=128, device="cuda"):
         "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
         "vector_gate_dv": lambda: vg.vector_gate_dv(A, do, plan),
         "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
+        # the same calls again under the names of the two-level pass's scan tunings (for --sweep)
+        "state_fwd_scan": lambda: state_fwd(k, v, plan, gk=gk),
+        "state_bwd_scan": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
         "vector_gate_dA": lambda: vg.vector_gate_dA(v, do, plan, scale=scale),
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
         "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan,

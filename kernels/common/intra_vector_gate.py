@@ -9,19 +9,41 @@ and the chunk output is ``o = scale * (q ⊙ exp(G)) h + A v`` (``h`` the state 
 
 Numerical safety. ``exp(G_id - G_jd) <= 1`` for ``j <= i``, but the factored form
 ``(q ⊙ exp(G)) (k ⊙ exp(-G))^T`` overflows ``exp(-G)`` under strong decay (g = -5 per token
-reaches exp(320) over a 64-token chunk). The chunk (BT = 64) is split into sub-chunks of
-BC = 16 and every product is arranged so that no exponent is positive:
+reaches exp(320) over a 64-token chunk). The chunk (BT = 64) is split into sub-chunks of BC = 16;
+one program handles the rows of one sub-chunk r (rows ``s .. s + BC - 1``, valid up to the last
+valid row ``l``) and factors every product through a reference point of that sub-chunk:
 
-- off-diagonal sub-blocks (row sub-chunk r > column sub-chunk s): with the reference point
-  ``G_ref = G`` at the first row of sub-chunk r, ``exp(G_i - G_jd) = exp(G_i - G_ref) *
-  exp(G_ref - G_j)``; both exponents are <= 0 because ``j < first row of r <= i``, so the
-  sub-block is one matrix product of ``q ⊙ exp(G - G_ref)`` and ``k ⊙ exp(G_ref - G)``.
-  The backward of dk uses ``G_ref`` at the last row of the column sub-chunk, for the same reason.
-- diagonal sub-blocks: element-wise, one token at a time (``[16, BK]`` products of
-  ``exp(G_i - G_j)`` per key dimension), with the exponent masked to ``j <= i`` *before* the
-  exponential. (One ``[16, 16, BK]`` product measured 2.9x slower on the H200.)
+- off-diagonal sub-blocks (columns j of earlier sub-chunks): with ``G_ref = G_s`` (the first row),
+  ``exp(G_i - G_j) = exp(G_i - G_ref) * exp(G_ref - G_j)`` and both exponents are <= 0 because
+  ``j < s <= i``: one matrix product of ``q ⊙ exp(G - G_ref)`` and ``k ⊙ exp(G_ref - G)`` over
+  all earlier columns at once (``[BC, BK] x [BK, BT]``). The backward of dk (rows x of later
+  sub-chunks) uses ``G_ref = G_l`` instead, for the same reason.
+- the diagonal sub-block (``s <= j <= i <= l``) through the same reference points, as long as it
+  is safe: with ``span = max_d (G_s,d - G_l,d)`` (per program and K block, at run time), the
+  exponents of the two factors lie in ``[-span, 0]`` and ``[0, span]``. If ``span <= SAFE_SPAN``
+  the block is one tensor-core product (``q ⊙ exp(G - G_s)`` times ``(k ⊙ exp(G_s - G))^T``,
+  masked to ``j <= i`` after the product; in the backward ``dA_diag`` times ``k ⊙ exp(G_s - G)``
+  for dq and ``dA_diag^T`` times ``q ⊙ exp(G - G_l)`` for dk, scaled by ``exp(G - G_s)`` and
+  ``exp(G_l - G)``). Otherwise the fallback takes it element-wise, one token at a time
+  (``[BC, BK]`` products of ``exp(G_i - G_j)``, the exponent masked to ``j <= i`` *before* the
+  exponential), as exact as fp32 allows for any decay. (One ``[16, 16, BK]`` element-wise product
+  instead of the loop measured 2.9x slower on the H200.)
 
-An underflow to 0 of one factor is harmless: the true product is smaller still.
+Why ``SAFE_SPAN = 60`` is safe. Every exponential in the diagonal products lies in ``[e^-60,
+e^60] ~ [8.8e-27, 1.1e26]``, well inside the normal range of fp32 and of tf32 (which the GPU's
+tensor cores use for these fp32 operands, as for the off-diagonal ones; same 8-bit exponent):
+``[1.2e-38, 3.4e38] ~ [e^-87, e^88]``. So no factor overflows or flushes to zero, and ``e^28 ~
+1e12`` of headroom remains for ``|q|, |k|, |dA|`` and sums of BK (or BC) terms: even the entries
+that the mask discards afterwards (``j > i``, up to ``e^60 |q_i . k_j|``) stay finite, and a
+masked (zero) entry of dA multiplies a finite factor (``0 * finite = 0``, never ``0 * inf =
+NaN``). For a kept entry every term of the sum equals ``q_id k_jd exp(G_id - G_jd)`` (or
+``dA_ij k_jd exp(G_id - G_jd)``, ...) up to the rounding of its factors, so its error is relative
+to the term's true magnitude (``<= |q_id k_jd|``): the accuracy of the off-diagonal blocks, with no
+cancellation between large factored terms. Padded rows (``>= eos``) read ``G_l``, the last valid
+row's gate, and 0 for q and k, so their exponents stay within ``[-span, span]`` as well. A
+sub-chunk whose per-token log gates are >= -4 in every key dimension spans <= 60, so with GLA's
+usual gates (``logsigmoid(x) / 16``) the fallback is rare. In the off-diagonal blocks an underflow
+to 0 of one factor is harmless: the true product is smaller still.
 
 The backward: ``dA = scale * tril(do v^T)`` (``vector_gate_dA``), the intra parts of dq and dk
 (``vector_gate_intra_bwd``), and ``vector_gate_bwd_dqkg``, which adds the inter-chunk parts
@@ -43,6 +65,10 @@ import triton.language as tl
 from ttr.kernels.common.index import ChunkPlan, tuned
 
 SUB_CHUNK = 16
+# Largest gate span within a sub-chunk (``max_d G_first,d - G_last,d``) whose diagonal block is one
+# tensor-core product; beyond it the per-token loop. Factors stay in [e^-60, e^60]: normal fp32/tf32
+# with e^28 headroom below fp32's e^88 for |q k| and sums of BK terms (module docstring).
+SAFE_SPAN = 60.0
 # Launch parameters: each launcher's defaults come from the H200 sweep of
 # ``python -m ttr.scripts.bench_rows_gla_ssd --sweep`` (4 x 4096, H = 16, K = V = 128, bf16; the
 # numbers beside each launcher) and can be overridden through ``index.TUNING`` under the stage names
@@ -53,7 +79,9 @@ NUM_WARPS = 8
 
 @triton.jit
 def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
-                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                              SAFE_SPAN: tl.constexpr):
+    """One program: the rows of sub-chunk ``i_i`` of one chunk and head, all ``BT`` columns."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -61,46 +89,52 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
     s_i = t0 + i_i * BC
     if s_i >= eos:
         return
+    l_i = tl.minimum(s_i + BC, eos) - 1  # last valid row of the sub-chunk
     o_c = tl.arange(0, BC)
     o_i = s_i + o_c
     m_i = o_i < eos
-    for i_j in tl.static_range(BT // BC):
-        b_A = tl.zeros([BC, BC], dtype=tl.float32)
-        if i_j < i_i:
-            o_j = t0 + i_j * BC + o_c
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_ik = m_i[:, None] & m_k[None, :]
-                b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference point
-                b_q = tl.load(q + (o_i[:, None] * H + i_h) * K + o_k[None, :], mask=m_ik, other=0)  # [BC, BK]
-                b_g = tl.load(gk + (o_i[:, None] * H + i_h) * K + o_k[None, :], mask=m_ik, other=0)
-                b_qg = b_q.to(tl.float32) * tl.exp(tl.where(m_ik, b_g - b_gn[None, :], 0))
-                b_k = tl.load(k + (o_j[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0)
-                b_gk = tl.load(gk + (o_j[:, None] * H + i_h) * K + o_k[None, :], mask=m_k[None, :], other=0)
-                b_kg = b_k.to(tl.float32) * tl.exp(b_gn[None, :] - b_gk)  # [BC, BK]
-                b_A += tl.dot(b_qg, tl.trans(b_kg))
-        elif i_j == i_i:
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_ik = m_i[:, None] & m_k[None, :]
-                p_ik = (o_i[:, None] * H + i_h) * K + o_k[None, :]
-                b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
-                b_g = tl.load(gk + p_ik, mask=m_ik, other=0)
-                # one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
-                for j in range(BC):
-                    p_j = ((s_i + j) * H + i_h) * K + o_k
-                    j_ok = s_i + j < eos
-                    m_j = o_k < tl.where(j_ok, K, 0)
-                    b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
-                    b_gj = tl.load(gk + p_j, mask=m_j, other=0)
-                    m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
-                    b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
-                    b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
-                    b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0)
-        p_A = A + (o_i[:, None] * H + i_h) * BT + i_j * BC + o_c[None, :]
-        tl.store(p_A, b_A * scale, mask=m_i[:, None])
+    o_s = tl.arange(0, BT)
+    o_t = t0 + o_s
+    m_t = o_t < s_i  # columns of the earlier sub-chunks (all valid)
+    m_tri = o_c[:, None] >= o_c[None, :]
+    b_A = tl.zeros([BC, BT], dtype=tl.float32)  # off-diagonal sub-blocks (0 from column s_i on)
+    b_Ad = tl.zeros([BC, BC], dtype=tl.float32)  # diagonal sub-block
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_ik = (o_i[:, None] * H + i_h) * K + o_k[None, :]
+        b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference point
+        b_gl = tl.load(gk + (l_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] last valid row
+        b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
+        b_g = tl.where(m_i[:, None], tl.load(gk + p_ik, mask=m_ik, other=0), b_gl[None, :])  # padded: G_l
+        b_qg = b_q * tl.exp(b_g - b_gn[None, :])  # exponent in [-span, 0]
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        b_kt = tl.load(k + p_tk, mask=m_tk, other=0).to(tl.float32)  # [BT, BK]
+        b_gt = tl.load(gk + p_tk, mask=m_tk, other=0)
+        b_A += tl.dot(b_qg, tl.trans(b_kt * tl.exp(tl.where(m_tk, b_gn[None, :] - b_gt, 0))))
+        b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)  # outside the branch: pipelined
+        if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
+            b_kg = b_k * tl.exp(b_gn[None, :] - b_g)  # exponent in [0, span]
+            b_Ad += tl.where(m_tri, tl.dot(b_qg, tl.trans(b_kg)), 0)
+        else:
+            # fallback, one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
+            for j in range(BC):
+                p_j = ((s_i + j) * H + i_h) * K + o_k
+                j_ok = s_i + j < eos
+                m_j = o_k < tl.where(j_ok, K, 0)
+                b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
+                b_gj = tl.load(gk + p_j, mask=m_j, other=0)
+                m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
+                b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
+                b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
+                b_Ad += tl.where(o_c[None, :] == j, b_a[:, None], 0)
+    # two disjoint stores: the row strip without the diagonal sub-block's columns, then that block
+    p_A = A + (o_i[:, None] * H + i_h) * BT
+    m_d = (o_s >= i_i * BC) & (o_s < i_i * BC + BC)
+    tl.store(p_A + o_s[None, :], b_A * scale, mask=m_i[:, None] & ~m_d[None, :])
+    tl.store(p_A + i_i * BC + o_c[None, :], b_Ad * scale, mask=m_i[:, None])
 
 
 @triton.jit
@@ -170,7 +204,9 @@ def vector_gate_dA_kernel(v, do, dA, cu_seqlens, chunk_indices, scale, H: tl.con
 
 @triton.jit
 def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
-                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+                                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                                 SAFE_SPAN: tl.constexpr):
+    """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -178,60 +214,71 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
     s_i = t0 + i_i * BC
     if s_i >= eos:
         return
+    l_i = tl.minimum(s_i + BC, eos) - 1  # last valid row of the sub-chunk
     o_c = tl.arange(0, BC)
     o_i = s_i + o_c
     m_i = o_i < eos
+    o_s = tl.arange(0, BT)
+    o_t = t0 + o_s
+    m_b = o_t < s_i  # rows of the earlier sub-chunks: columns j of dq's dA
+    m_a = (o_t >= s_i + BC) & (o_t < eos)  # valid rows of the later sub-chunks: rows x of dk's dA
+    # the blocks of dA this program needs, for all K blocks: its rows left of the diagonal
+    # sub-block, its columns below it, and the diagonal sub-block (lower triangle incl. diagonal)
+    p_dA = dA + (o_i[:, None] * H + i_h) * BT
+    b_dAr = tl.load(p_dA + o_s[None, :], mask=m_i[:, None] & m_b[None, :], other=0)  # [BC, BT]
+    b_dAc = tl.load(dA + (o_t[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_a[:, None],
+                    other=0)  # [BT, BC]
+    b_dAd = tl.load(p_dA + i_i * BC + o_c[None, :], mask=m_i[:, None] & (o_c[:, None] >= o_c[None, :]),
+                    other=0)  # [BC, BC]
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = (o_i[:, None] * H + i_h) * K + o_k[None, :]
-        b_g = tl.load(gk + p_ik, mask=m_ik, other=0)  # [BC, BK]
-        # dq of rows in this sub-chunk: earlier sub-chunks through the reference point G(first row)
-        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)
-        for i_j in range(i_i):
-            o_j = t0 + i_j * BC + o_c
-            p_jk = (o_j[:, None] * H + i_h) * K + o_k[None, :]
-            b_kj = tl.load(k + p_jk, mask=m_k[None, :], other=0).to(tl.float32)
-            b_gj = tl.load(gk + p_jk, mask=m_k[None, :], other=0)
-            b_dAij = tl.load(dA + (o_i[:, None] * H + i_h) * BT + i_j * BC + o_c[None, :], mask=m_i[:, None], other=0)
-            b_dq += tl.dot(b_dAij, b_kj * tl.exp(b_gn[None, :] - b_gj))
-        b_dq *= tl.exp(tl.where(m_ik, b_g - b_gn[None, :], 0))
-        # dk of rows in this sub-chunk: later sub-chunks through G(last row of this sub-chunk)
-        b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-        if s_i + BC < eos:
-            b_gl = tl.load(gk + ((s_i + BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0)
-            for i_x in range(i_i + 1, BT // BC):
-                o_x = t0 + i_x * BC + o_c
-                m_x = o_x < eos
-                m_xk = m_x[:, None] & m_k[None, :]
-                p_xk = (o_x[:, None] * H + i_h) * K + o_k[None, :]
-                b_qx = tl.load(q + p_xk, mask=m_xk, other=0).to(tl.float32)
-                b_gx = tl.load(gk + p_xk, mask=m_xk, other=0)
-                b_qg = b_qx * tl.exp(tl.where(m_xk, b_gx - b_gl[None, :], 0))
-                p_dA = dA + (o_x[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :]
-                b_dAxi = tl.load(p_dA, mask=m_x[:, None], other=0)  # [BC rows x, BC cols i]
-                b_dk += tl.dot(tl.trans(b_dAxi), b_qg)
-            b_dk *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_g, 0))
-        # the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the column
-        # (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
-        for x in range(BC):
-            p_x = ((s_i + x) * H + i_h) * K + o_k
-            x_ok = s_i + x < eos
-            m_x = o_k < tl.where(x_ok, K, 0)
-            b_kx = tl.load(k + p_x, mask=m_x, other=0).to(tl.float32)
-            b_qx = tl.load(q + p_x, mask=m_x, other=0).to(tl.float32)
-            b_gx = tl.load(gk + p_x, mask=m_x, other=0)
-            p_row = dA + ((s_i + x) * H + i_h) * BT + i_i * BC
-            b_dAcol = tl.load(dA + (o_i * H + i_h) * BT + i_i * BC + x, mask=m_i & (o_c >= x), other=0)
-            b_dArow = tl.load(p_row + o_c, mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
-            b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
-                                   float("-inf")))
-            b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
-                                   float("-inf")))
-            b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
-            b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
+        b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference of dq
+        b_gl = tl.load(gk + (l_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference of dk
+        b_g = tl.where(m_i[:, None], tl.load(gk + p_ik, mask=m_ik, other=0), b_gl[None, :])  # padded: G_l
+        # off-diagonal: dq from the earlier rows through G_s, dk from the later rows through G_l;
+        # one exponent tile serves both (every exponent <= 0)
+        m_bk = m_b[:, None] & m_k[None, :]
+        m_ak = m_a[:, None] & m_k[None, :]
+        p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        b_gt = tl.load(gk + p_tk, mask=m_bk | m_ak, other=0)  # [BT, BK]
+        b_et = tl.exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
+        b_kt = tl.load(k + p_tk, mask=m_bk, other=0).to(tl.float32)
+        b_qt = tl.load(q + p_tk, mask=m_ak, other=0).to(tl.float32)
+        b_dq = tl.dot(b_dAr, b_kt * b_et)  # [BC, BK]
+        b_dk = tl.dot(tl.trans(b_dAc), b_qt * b_et)
+        b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
+        b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
+        if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
+            # the diagonal sub-block through the same reference points: exponents in [0, span]
+            b_dq += tl.dot(b_dAd, b_k * tl.exp(b_gn[None, :] - b_g))
+            b_dk += tl.dot(tl.trans(b_dAd), b_q * tl.exp(b_g - b_gl[None, :]))
+            b_dq *= tl.exp(b_g - b_gn[None, :])
+            b_dk *= tl.exp(b_gl[None, :] - b_g)
+        else:
+            b_dq *= tl.exp(b_g - b_gn[None, :])
+            b_dk *= tl.exp(b_gl[None, :] - b_g)
+            # fallback: the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the
+            # column (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
+            for x in range(BC):
+                p_x = ((s_i + x) * H + i_h) * K + o_k
+                x_ok = s_i + x < eos
+                m_x = o_k < tl.where(x_ok, K, 0)
+                b_kx = tl.load(k + p_x, mask=m_x, other=0).to(tl.float32)
+                b_qx = tl.load(q + p_x, mask=m_x, other=0).to(tl.float32)
+                b_gx = tl.load(gk + p_x, mask=m_x, other=0)
+                b_dAcol = tl.load(dA + (o_i * H + i_h) * BT + i_i * BC + x, mask=m_i & (o_c >= x),
+                                  other=0)  # [BC] over i
+                b_dArow = tl.load(dA + ((s_i + x) * H + i_h) * BT + i_i * BC + o_c,
+                                  mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
+                b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
+                                       float("-inf")))
+                b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
+                                       float("-inf")))
+                b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
+                b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
         tl.store(dq + p_ik, b_dq, mask=m_ik)
         tl.store(dk + p_ik, b_dk, mask=m_ik)
 
@@ -290,24 +337,26 @@ def _block_k(K: int) -> int:
     return min(max(triton.next_power_of_2(K), 16), 64)
 
 
-def _block_k_sub(K: int) -> int:
-    """K block of the sub-chunk kernels, whose diagonal blocks hold [16, 16, BK] element-wise."""
-    return min(max(triton.next_power_of_2(K), 16), 32)
-
-
 def _block_v(V: int) -> int:
     return min(max(triton.next_power_of_2(V), 16), 64)
 
 
 def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
-    """``A [B, T, H, BT]`` fp32: the scaled, causal, gate-decayed intra-chunk scores."""
+    """``A [B, T, H, BT]`` fp32: the scaled, causal, gate-decayed intra-chunk scores.
+
+    One program per (chunk, sub-chunk of 16 rows, head): per K block one ``[16, BK] x [BK, BT]``
+    product for the earlier sub-chunks and, when the sub-chunk's gate span is at most
+    ``SAFE_SPAN``, one ``[16, BK] x [BK, 16]`` product for the diagonal sub-block (else the
+    per-token loop); see the module docstring."""
     B, T, H, K = q.shape
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
-    # H200 sweep (4 x 4096, H 16, K 128): the per-token diagonal loop with 2 warps, 1.84 -> 0.64 ms
-    cfg = tuned("vector_gate_scores", BK=min(_block_k_sub(K), 32), num_warps=2)
+    # H200 sweep (4 x 4096 and 1 x 16384, H 16, K 128, bf16): the per-token loop took 0.64 ms at its
+    # best; the tensor-core diagonal 0.442 at BK 32 / 4 warps and 0.248 at BK 32 / 2 warps / 1 stage.
+    cfg = tuned("vector_gate_scores", BK=min(_block_k(K), 32), num_warps=2, num_stages=1)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
-        q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK, **cfg)
+        q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
+        SAFE_SPAN=SAFE_SPAN, **cfg)
     return A
 
 
@@ -345,15 +394,21 @@ def vector_gate_dA(v, do, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
 
 
 def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
-    """Intra-chunk parts of dq and dk (fp32) from ``dA`` (which already holds the scale)."""
+    """Intra-chunk parts of dq and dk (fp32) from ``dA`` (which already holds the scale).
+
+    One program per (chunk, sub-chunk of 16 rows, head); per K block ``[16, BT] x [BT, BK]``
+    products for the off-diagonal sub-blocks (dq from the earlier rows, dk from the later ones)
+    and, when the sub-chunk's gate span is at most ``SAFE_SPAN``, two ``[16, 16] x [16, BK]``
+    products with the diagonal sub-block of dA (else the per-token loop)."""
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    # H200 sweep: the per-token diagonal loop, BK 64, 4 warps: 4.56 -> 1.48 ms
-    cfg = tuned("vector_gate_intra_bwd", BK=_block_k(K), num_warps=4)
+    # H200 sweep: the per-token loop took 1.48 ms at its best (BK 64, 4 warps); the tensor-core
+    # diagonal 0.649 at BK 32 / 4 warps and 0.632 with 2 stages (8 warps or BK 64: 0.71 - 0.88).
+    cfg = tuned("vector_gate_intra_bwd", BK=min(_block_k(K), 32), num_warps=4, num_stages=2)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
-        **cfg)
+        SAFE_SPAN=SAFE_SPAN, **cfg)
     return dq, dk
 
 

@@ -1,9 +1,11 @@
 """Chunkwise GLA in Triton: the engine's stages composed (``ttr.kernels.common``).
 
 Forward (chunk size 64): ``G = chunk_local_cumsum(g)``; states ``h`` by ``state.state_fwd`` with
-the per-key gate ``gk = G``; intra-chunk scores ``A`` by ``intra_vector_gate.vector_gate_scores``
-(sub-chunks of 16 with a reference point at the sub-chunk boundary, element-wise diagonal
-blocks: no exponent is ever positive, see that module); ``o = scale (q ⊙ exp(G)) h + A v``.
+the per-key gate ``gk = G`` (sequential walk, or the two-level pass for long sequences); intra-chunk
+scores ``A`` by ``intra_vector_gate.vector_gate_scores`` (sub-chunks of 16 with a reference point
+at a sub-chunk boundary; the diagonal 16 x 16 blocks as one product when the gate's span inside the
+sub-chunk keeps every factor below e^60, else token by token: see that module);
+``o = scale (q ⊙ exp(G)) h + A v``.
 
 Backward: ``dv = A^T do`` completed by ``state.state_bwd`` (which also yields ``dh`` and
 ``dh0``); ``dA = scale tril(do v^T)`` gives the intra parts of dq and dk; the inter parts and the

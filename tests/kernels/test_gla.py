@@ -7,7 +7,10 @@ Triton kernels (under the interpreter on CPU, in float32).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from ttr.kernels.common import intra_vector_gate
+from ttr.kernels.common.index import TUNING
 from ttr.kernels.gla import chunk_gla, recurrent_gla, reference_gla
 
 from .conftest import rel_rms
@@ -174,3 +177,83 @@ def test_packed_strong_decay_partial_chunks(backend):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v, g, h0 = make_inputs(1, sum(lengths), 2, 20, 8, decay=8.0, h0=True, n=len(lengths))
     check(chunk_gla, reference_gla, q, k, v, g.clamp_max(-4.0), h0, cu, tol_dg=5e-4)
+
+
+# The diagonal 16 x 16 sub-blocks of the intra-chunk stage (kernels/common/intra_vector_gate.py) take
+# a tensor-core product when the sub-chunk's gate span is <= SAFE_SPAN, per K block, and the
+# per-token loop otherwise. These tests fix which path runs and check both against the oracle.
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+
+
+def diagonal_paths(g, cu, bk):
+    """The path ("dot" or "loop") of every diagonal sub-block, one tuple over the K blocks per
+    (sub-chunk, head), as the kernels choose it: the span ``G_first - G_last valid`` of the
+    chunk-local cumulative gate within the sub-chunk (= minus the sum of the later gates)."""
+    b, t, h, dk = g.shape
+    bounds = [i * t for i in range(b + 1)] if cu is None else cu.tolist()
+    flat = g.reshape(b * t, h, dk)
+    paths = set()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        for u in range(s, e, 16):  # chunks of 64 start at s, so every sub-chunk starts at s + 16n
+            span = -flat[u + 1 : min(u + 16, e)].sum(0)  # [H, K]
+            for i_h in range(h):
+                safe = [span[i_h, i : i + bk].max() <= intra_vector_gate.SAFE_SPAN for i in range(0, dk, bk)]
+                paths.add(tuple("dot" if ok else "loop" for ok in safe))
+    return paths
+
+
+def split_gates(b, t, h, dk, *, strong):
+    """Mild GLA gates ``logsigmoid(x) / 16``; the first ``strong`` key dims decay by about e^-6.5 per
+    token instead: a full sub-chunk spans ~97 > SAFE_SPAN there, and the factored product would
+    overflow fp32 (e^97 > 3.4e38 ~ e^88.7), so only the per-token loop gets those blocks right."""
+    g = F.logsigmoid(torch.randn(b, t, h, dk)) / 16
+    g[..., :strong] = -6.5 + 0.1 * torch.rand(b, t, h, strong)
+    return g
+
+
+@pytest.mark.parametrize("path", ["dot", "loop"])
+def test_diagonal_block_paths_mild_gates(triton_backend, monkeypatch, path):
+    """Mild gates: every diagonal block takes the tensor-core product, or, with SAFE_SPAN below any
+    span, every one takes the per-token loop; both match the oracle."""
+    q, k, v, _, h0 = make_inputs(1, 80, 1, 32, 8, h0=True)
+    g = split_gates(1, 80, 1, 32, strong=0)
+    if path == "loop":
+        monkeypatch.setattr(intra_vector_gate, "SAFE_SPAN", -1.0)
+    assert diagonal_paths(g, None, 32) == {(path,)}
+    check(chunk_gla, reference_gla, q, k, v, g, h0)
+
+
+@pytest.fixture
+def two_k_blocks(monkeypatch):
+    """K blocks of 16 in both sub-chunk kernels, so that one K block can take the loop and the other
+    the product within one program."""
+    for stage in ("vector_gate_scores", "vector_gate_intra_bwd"):
+        monkeypatch.setitem(TUNING, stage, {"BK": 16})
+    return 16
+
+
+def test_diagonal_block_paths_mixed(triton_backend, two_k_blocks):
+    """Strong decay in the first K block (loop), mild in the second (product), in the same
+    sub-chunks: outputs, final state and every gradient exact and finite."""
+    q, k, v, _, h0 = make_inputs(1, 130, 1, 32, 8, h0=True)
+    g = split_gates(1, 130, 1, 32, strong=16)
+    # 130 = 64 + 64 + 2: the last sub-chunk has 2 rows, a span of ~6.5: the product even there
+    assert diagonal_paths(g, None, two_k_blocks) == {("loop", "dot"), ("dot", "dot")}
+    check(chunk_gla, reference_gla, q, k, v, g, h0, tol_dg=5e-4)
+
+
+def test_diagonal_block_paths_packed_strong_decay(triton_backend, two_k_blocks):
+    """Packed documents of 1, 37, 63, 64 and 130 tokens under strong decay: partial sub-chunks (1,
+    5, 15 and 2 valid rows) whose padded rows read the last valid row's gate. The 5 rows of the
+    37-token document take the product in the strong K block although its cumulative gate is near
+    -240 there: a padded row reading 0 would turn ``0 * exp(240)`` into NaN in the valid rows."""
+    lengths = [1, 37, 63, 64, 130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, _, h0 = make_inputs(1, sum(lengths), 1, 32, 8, h0=True, n=len(lengths))
+    g = split_gates(1, sum(lengths), 1, 32, strong=16)
+    assert diagonal_paths(g, cu, two_k_blocks) == {("loop", "dot"), ("dot", "dot")}
+    check(chunk_gla, reference_gla, q, k, v, g, h0, cu, tol_dg=5e-4)
