@@ -58,11 +58,28 @@ def forward_backward(fn, q, k, v, g, h0, cu, do, dht):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(d) for d in s[:5]) + ("-packed" if s[5] else ""))
 @pytest.mark.parametrize("op", ["gla", "simple_gla"])
 def test_chunk_vs_float64(op, shape, dtype):
+    check_vs_float64(op, shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gla_mixed_gates_vs_float64(dtype):
+    """Half the key dims decay by ~e^-5 per token (a 16-token sub-chunk spans > 60: the diagonal
+    blocks take the token-by-token fallback), the others mildly (the tensor-core product)."""
+    def strong_half(g):
+        g = g.clone()
+        g[..., : g.shape[-1] // 2] = -5.0 - torch.rand_like(g[..., : g.shape[-1] // 2])
+        return g
+    check_vs_float64("gla", (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]), dtype, gate=strong_half)
+
+
+def check_vs_float64(op, shape, dtype, gate=None):
     b, t, h, dk, dv, cu = shape
     n = b if cu is None else len(cu) - 1
     cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
     fn = chunk_gla if op == "gla" else chunk_simple_gla
     q, k, v, g, h0 = inputs(b, t, h, dk, dv, dtype, vector=op == "gla", n=n)
+    if gate is not None:
+        g = gate(g)
     do = torch.randn(b, t, h, dv, device="cuda", dtype=torch.float64)
     dht = torch.randn(n, h, dk, dv, device="cuda", dtype=torch.float64)
     scale = dk**-0.5
