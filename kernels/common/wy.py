@@ -189,8 +189,9 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
     b_dA = tl.where(m_A, -tl.dot(b_dA, tl.trans(b_Ai)), 0.)
     if USE_G:
         b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-    # now b_dA is the gradient of beta_i <k_i, k_j> Γ_ij... taken through Γ: the gradient of
-    # A_ij / (beta_i Γ_ij) = <k_i, k_j> (i > j) is dB = dA ⊙ beta_i Γ_ij (Γ already applied)
+    # A_ij = beta_i <k_i, k_j> Γ_ij (i > j): b_dA (times Γ above) is now the gradient of
+    # beta_i <k_i, k_j>, so dbeta_i += sum_j b_dA_ij <k_i, k_j> and the gradient of <k_i, k_j> is
+    # dB = b_dA ⊙ beta_i; with the gate, dB ⊙ <k_i, k_j> also flows to g_i (+) and g_j (-).
     b_dbeta += tl.sum(b_dA * b_KK, 1)
     tl.store(dbeta + (g0 + o_i) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     b_dB = b_dA * b_beta[:, None]
