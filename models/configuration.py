@@ -18,8 +18,10 @@ named by ``layer_types[i]`` (see ``ttr.models.layers.LAYER_TYPES``) and, unless
 * ``dt_min``/``dt_max``/``dt_init_floor``: the log-uniform time-step initialisation of the
   ``dt_bias`` of Mamba2 and Gated DeltaNet (Gu & Dao 2023, arXiv:2312.00752).
 * ``swa`` / ``attn``: ``attn_num_heads`` query heads and ``attn_num_kv_heads`` key/value heads
-  (GQA) of ``attn_head_dim``, rotary embeddings with base ``rope_theta``; ``swa`` attends to the
-  last ``window_size`` tokens.
+  (GQA) of ``attn_head_dim``, rotary embeddings with base ``rope_theta`` (``None``: no position
+  encoding, "NoPE", Kazemnejad et al. 2023, arXiv:2305.19466: order then comes only from the
+  causal mask and any short conv, which lets content lookups run past the trained lengths);
+  ``swa`` attends to the last ``window_size`` tokens.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class TTRConfig(PretrainedConfig):
         attn_num_kv_heads: int | None = None,
         attn_head_dim: int | None = None,
         window_size: int = 2048,
-        rope_theta: float = 10000.0,
+        rope_theta: float | None = 10000.0,
         max_position_embeddings: int = 2048,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
@@ -215,7 +217,13 @@ class TTRConfig(PretrainedConfig):
                 raise ValueError(
                     f"attn_num_kv_heads={self.attn_num_kv_heads} must divide attn_num_heads={self.attn_num_heads}"
                 )
-            if self.attn_head_dim % 2:
+            if self.rope_theta is not None and (
+                isinstance(self.rope_theta, bool)
+                or not isinstance(self.rope_theta, (int, float))
+                or not self.rope_theta > 0
+            ):
+                raise ValueError(f"rope_theta must be > 0 or None (no rotary), got {self.rope_theta!r}")
+            if self.rope_theta is not None and self.attn_head_dim % 2:
                 raise ValueError(
                     f"attn_head_dim must be even for rotary embeddings, got {self.attn_head_dim}"
                 )

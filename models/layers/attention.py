@@ -85,8 +85,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, position_ids, self.config.rope_theta)
-        k = apply_rotary(k, position_ids, self.config.rope_theta)
+        if self.config.rope_theta is not None:
+            q = apply_rotary(q, position_ids, self.config.rope_theta)
+            k = apply_rotary(k, position_ids, self.config.rope_theta)
         layer_cache = cache[self.layer_idx] if cache is not None else None
         if layer_cache is not None and "k" in layer_cache:
             k = torch.cat([layer_cache["k"], k], dim=1)

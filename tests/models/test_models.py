@@ -279,6 +279,8 @@ def test_weight_init():
         (dict(layer_types=["mamba2", "mamba2"], mamba_head_dim=48), "mamba_head_dim"),
         (dict(intermediate_size=-1), "intermediate_size"),
         (dict(conv_size=5), "conv_size"),
+        (dict(layer_types=["attn", "attn"], rope_theta=0.0), "rope_theta"),
+        (dict(layer_types=["attn", "attn"], rope_theta="1e4"), "rope_theta"),
     ],
 )
 def test_config_errors_name_the_field(overrides, field):
@@ -286,6 +288,25 @@ def test_config_errors_name_the_field(overrides, field):
     settings.update(overrides)
     with pytest.raises(ValueError, match=field):
         TTRConfig(**settings)
+
+
+@torch.no_grad()
+def test_attention_without_rotary():
+    """``rope_theta=None`` (NoPE, any head dim, odd too): decoding still matches the full forward,
+    and the same weights give other logits with rotary embeddings on (the flag takes effect)."""
+    torch.manual_seed(0)
+    cfg = TTRConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, layer_types=["attn", "swa"], num_heads=2,
+        intermediate_size=0, window_size=WINDOW, rope_theta=None, attn_head_dim=15,
+    )  # fmt: skip
+    model = TTRForCausalLM(cfg).eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    full = model(ids, use_cache=False).logits
+    assert rel_err(decode_stepwise(model, ids, 4), full) < 1e-5
+    rope = TTRForCausalLM(TTRConfig(**{**cfg.to_dict(), "rope_theta": 1e4, "attn_head_dim": 16})).eval()
+    nope = TTRForCausalLM(TTRConfig(**{**cfg.to_dict(), "attn_head_dim": 16})).eval()
+    nope.load_state_dict(rope.state_dict())
+    assert rel_err(nope(ids, use_cache=False).logits, rope(ids, use_cache=False).logits) > 1e-3
 
 
 def test_unknown_preset_and_bad_inputs():
