@@ -189,6 +189,8 @@ def run_job(job: dict) -> dict:
     """Train one (mixer, d_model, lr) model and evaluate it; ``job`` is a dict of plain values so
     that it can cross a process boundary. Returns the job plus its results."""
     device = torch.device(job_device(job.get("index", 0), job.get("device")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device
     torch.manual_seed(job["seed"])
     vocab = job["vocab_size"]
     train_data = [
@@ -239,6 +241,7 @@ def run_job(job: dict) -> dict:
         "steps": len(losses),
         "final_loss": losses[-1],
         "accuracy": correct / total,
+        "config_mean": sum(per_config.values()) / len(per_config),
         "per_config": per_config,
         "state_size": state_size(model.config, max(c.seq_len for c in job["test_configs"])),
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -261,11 +264,12 @@ def markdown_table(results: list[dict]) -> str:
         return "(no MQAR runs finished)"
     configs = list(results[0]["per_config"])
     best = {id(r) for r in best_by_label(results).values()}
-    head = ["model", "lr", "state size", "steps", "accuracy", *configs]
+    head = ["model", "lr", "state size", "steps", "accuracy", "config mean", *configs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(results, key=lambda r: (r["label"], r["lr"])):
         acc = f"**{r['accuracy']:.4f}**" if id(r) in best else f"{r['accuracy']:.4f}"
-        cells = [r["label"], f"{r['lr']:.2e}", str(r["state_size"]), str(r["steps"]), acc]
+        mean = r.get("config_mean", sum(r["per_config"].values()) / len(r["per_config"]))
+        cells = [r["label"], f"{r['lr']:.2e}", str(r["state_size"]), str(r["steps"]), acc, f"{mean:.4f}"]
         cells += [f"{r['per_config'][c]:.3f}" for c in configs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -185,6 +185,8 @@ def make_job(
 def run_job(job: dict) -> dict:
     """Train one (task, variant, lr) model; evaluate final-answer accuracy at every eval length."""
     device = torch.device(job_device(job.get("index", 0), job.get("device")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device
     torch.manual_seed(job["seed"])
     model = build_model(
         job["mixer"],

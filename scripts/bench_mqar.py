@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 
 import torch
 
@@ -54,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-minutes", type=float, default=5.0, help="training time per job")
     p.add_argument("--mixers", default=",".join(MQAR_TARGETS))
     p.add_argument("--mqar-lrs", default="1e-3,3e-3")
+    p.add_argument(
+        "--attn-positions", default="rope",
+        help="position encodings of the attention baselines, comma-separated: rope (rotary), nope (none)",
+    )  # fmt: skip
     p.add_argument("--parity-lrs", default="3e-3")
+    p.add_argument(
+        "--parity-variants", default=",".join(PARITY_VARIANTS),
+        help=f"comma-separated subset of: {'; '.join(PARITY_VARIANTS)}",
+    )  # fmt: skip
     p.add_argument("--only", choices=("all", "mqar", "parity"), default="all")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -68,13 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device")
     args = p.parse_args(argv)
     parity_eval = [int(n) for n in args.parity_eval_lengths.split(",")]
+    # names hold commas themselves ("beta(0,2)"): split only at commas outside parentheses
+    variants = re.split(r",(?![^()]*\))", args.parity_variants)
+    unknown = sorted(set(variants) - set(PARITY_VARIANTS))
+    if unknown:
+        p.error(f"--parity-variants: unknown {unknown}; expected some of {list(PARITY_VARIANTS)}")
     budget = 60.0 * args.max_minutes
+    positions = {"rope": {}, "nope": {"rope_theta": None}}
+    unknown = sorted(set(args.attn_positions.split(",")) - set(positions))
+    if unknown:
+        p.error(f"--attn-positions: unknown {unknown}; expected some of {sorted(positions)}")
     mqar_jobs = [
         mqar.make_job(
             mixer, lr, d_model=args.d_model, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
             steps=10**7, train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=budget,
+            overrides=overrides,
         )  # fmt: skip
         for mixer in args.mixers.split(",")
+        for overrides in (
+            [positions[name] for name in args.attn_positions.split(",")] if mixer in ("attn", "swa") else [{}]
+        )
         for lr in map(float, args.mqar_lrs.split(","))
     ]
     parity_jobs = [
@@ -85,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             "parity", label, lr, seed=args.seed, steps=10**7, train_max=args.parity_train_max,
             eval_lengths=parity_eval, eval_batch_size=512, max_seconds=budget, amp=False,
         )  # fmt: skip
-        for label in PARITY_VARIANTS
+        for label in variants
         for lr in map(float, args.parity_lrs.split(","))
     ]
     jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
@@ -104,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in sorted(mqar.best_by_label(mqar_results).items()):
         target = MQAR_TARGETS.get(r["mixer"])
         if target is not None:
-            ok = r["accuracy"] >= target
+            # both readings of "mean accuracy over the test set": pooled over queries (Zoology's
+            # valid/accuracy, 3/4 of whose weight is (512,128) and (1024,256)) and the mean over
+            # the seven test configurations
+            verdict = {name: "PASS" if r[key] >= target else "FAIL" for name, key in
+                       (("pooled", "accuracy"), ("config mean", "config_mean"))}  # fmt: skip
             checks.append(
-                f"- MQAR {label}: {r['accuracy']:.4f} (target >= {target}) {'PASS' if ok else 'FAIL'}"
+                f"- MQAR {label}: pooled {r['accuracy']:.4f} {verdict['pooled']}, config mean "
+                f"{r['config_mean']:.4f} {verdict['config mean']} (target >= {target})"
             )
     for (_, label), r in sorted(st.best_by_label(state_results).items()):
         beyond = {n: a for n, a in r["per_length"].items() if n > args.parity_train_max}

@@ -45,3 +45,15 @@ def test_bench_mqar_records_a_failed_job(tmp_path, monkeypatch):
     assert "FAILED attn d=16 lr=0.001: RuntimeError: injected" in (out / "recall.md").read_text()
     lines = (out / "jobs.jsonl").read_text().splitlines()
     assert len(lines) == 1 + len(st.VARIANTS)
+
+
+def test_bench_mqar_attention_positions_and_parity_subset(tmp_path):
+    """--attn-positions rope,nope gives one attention model of each; --parity-variants picks
+    variants whose names hold commas."""
+    out = tmp_path / "recall"
+    args = tiny_args(out) + ["--attn-positions", "rope,nope", "--parity-variants", "delta_net beta(0,2),mamba2 a(-1,1)"]
+    assert bench_mqar.main(args) == 0
+    results = json.loads((out / "recall.json").read_text())
+    assert {r["label"] for r in results if r["kind"] == "mqar"} == {"attn d=16", "attn d=16 rope_theta=None"}
+    assert {r["label"] for r in results if r["kind"] == "state"} == {"delta_net beta(0,2)", "mamba2 a(-1,1)"}
+    assert all("config_mean" in r for r in results if r["kind"] == "mqar")
