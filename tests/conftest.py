@@ -4,8 +4,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Spread pytest-xdist workers over GPUs: with TTR_TEST_GPUS=0,1,2,3 worker gwI sees only the GPU
+# ids[I % len(ids)]. Set before torch reads CUDA_VISIBLE_DEVICES (its first CUDA call below).
+if os.environ.get("TTR_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _ids = os.environ["TTR_TEST_GPUS"].split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _ids[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_ids)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton decides at import/decoration time whether @triton.jit functions are interpreted, so the
 # variable must be set before triton is imported (transformers imports it through torch._dynamo).
