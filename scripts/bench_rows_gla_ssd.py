@@ -66,7 +66,7 @@ ROWS["ssd"] = Row(lambda **x: chunk_ssd(x["x"], x["dt"], x["A"], x["B"], x["C"])
 
 
 # Per-stage timing of the GLA pipeline and launch alternatives for its own stages (GPU):
-#   python -m ttr.scripts.bench_rows_gla_ssd [--shapes 4x4096,1x16384] [--sweep]
+#   python -m ttr.scripts.bench_rows_gla_ssd [--op gla|simple_gla] [--shapes 4x4096,1x16384] [--sweep]
 # A winning alternative goes into the heuristic defaults of kernels/common/intra_vector_gate.py.
 GLA_SWEEP = {
     "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
@@ -118,14 +118,53 @@ def gla_stage_calls(B, T, H=16, D=128, device="cuda"):
     }
 
 
+# the scalar-gate pipeline (simple GLA; SSD runs the same kernels): output-stage launch alternatives
+SIMPLE_GLA_SWEEP = {
+    # BK 32 left out: an illegal memory access on the H200 (Triton 3.6), not reproduced by the interpreter
+    "output_bwd_dqk": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
+                       for ns in (1, 2, 3)],
+    "output_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (64, 128) for nw in (4, 8) for ns in (2, 3)],
+    "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3)],
+    "state_fwd": [dict(two_level=False), dict(two_level=True)],
+    "state_bwd": [dict(two_level=False), dict(two_level=True)],
+}
+
+
+def simple_gla_stage_calls(B, T, H=16, D=128, device="cuda"):
+    """One closure per stage of chunk_simple_gla's forward and backward, on bf16 inputs."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.state import state_bwd, state_fwd
+
+    x = simple_gla_inputs(B, T, H, D, torch.bfloat16, device)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    do, scale = torch.randn_like(v), D**-0.5
+    plan = prepare_chunks(None, B, T, device=device)
+    gc = chunk_local_cumsum(g, plan)
+    h, _, _ = state_fwd(k, v, plan, g=gc)
+    dvi = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, g=gc)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(g, plan),
+        "state_fwd": lambda: state_fwd(k, v, plan, g=gc),
+        "output_fwd": lambda: output_fwd(q, k, v, h, plan, scale=scale, g=gc),
+        "output_bwd_dv": lambda: output_bwd_dv(q, k, do, plan, scale=scale, g=gc),
+        "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, g=gc),
+        "output_bwd_dqk": lambda: output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc),
+        "cumsum_reverse": lambda: chunk_local_cumsum(gc, plan, reverse=True),
+    }
+
+
 def main(argv=None) -> int:
     import argparse
     import sys
 
     from ttr.scripts.bench_utils import time_stages
 
-    parser = argparse.ArgumentParser(description="per-stage ms of chunk_gla (bf16, H=16, K=V=128)")
+    parser = argparse.ArgumentParser(description="per-stage ms of chunk_gla / chunk_simple_gla (bf16, H=16, K=V=128)")
     parser.add_argument("--shapes", default="4x4096,1x16384", help="comma-separated BxT")
+    parser.add_argument("--op", choices=("gla", "simple_gla"), default="gla")
     parser.add_argument("--sweep", action="store_true", help="also time the launch alternatives")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,7 +172,8 @@ def main(argv=None) -> int:
         return 2
     for shape in args.shapes.split(","):
         B, T = (int(s) for s in shape.split("x"))
-        time_stages(gla_stage_calls(B, T), f"gla {B}x{T}", GLA_SWEEP if args.sweep else None)
+        calls, sweep = (gla_stage_calls, GLA_SWEEP) if args.op == "gla" else (simple_gla_stage_calls, SIMPLE_GLA_SWEEP)
+        time_stages(calls(B, T), f"{args.op} {B}x{T}", sweep if args.sweep else None)
     return 0
 
 
