@@ -18,10 +18,29 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
 
 
+# Plans of unpacked batches, by (B, T, device, chunk size): building one takes ~10 small kernel
+# launches, which at training sizes is CPU time the GPU waits for (fwd+bwd calls are launch-bound
+# at ~0.1 ms per stage). The plan's tensors are read-only.
+_PLANS: dict[tuple, ChunkPlan] = {}
+_MAX_PLANS = 64
+
+
 def prepare_chunks(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device=None,
                    chunk_size: int = CHUNK_SIZE) -> ChunkPlan:
     """Index chunks per sequence. Without ``cu_seqlens`` the batch is read as B packed sequences
-    of length T (the memory of ``[B, T, ...]`` is that of ``[1, B*T, ...]``)."""
+    of length T (the memory of ``[B, T, ...]`` is that of ``[1, B*T, ...]``); those plans are cached."""
+    if cu_seqlens is None:
+        key = (batch, seqlen, str(torch.device(device) if device is not None else "cpu"), chunk_size)
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            plan = _PLANS[key] = _build_plan(None, batch, seqlen, device, chunk_size)
+        return plan
+    return _build_plan(cu_seqlens, batch, seqlen, device, chunk_size)
+
+
+def _build_plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device, chunk_size: int) -> ChunkPlan:
     if cu_seqlens is None:
         cu = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * seqlen
         n_per = (seqlen + chunk_size - 1) // chunk_size
@@ -40,6 +59,21 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, dev
     chunk_indices = torch.stack([seq, idx], 1).to(torch.int32).contiguous()
     return ChunkPlan(cu.to(torch.int32).contiguous(), chunk_indices, offsets.to(torch.int32).contiguous(),
                      num_seqs, num_chunks, chunk_size)
+
+
+# Keep or recompute: the backward of every mixer needs the chunk states ``h`` of the forward. The
+# state pass walks the chunks of a sequence one after another (or, without the delta term and for
+# long sequences, in two levels), so for long sequences recomputing it dominates the backward; when
+# the sequences average at least this many chunks the forward keeps ``h`` (``[NT, H, K, V]`` in the
+# input dtype: K/64 times the size of k) and what else the mixer's backward would recompute.
+# Shorter sequences (training batches of packed documents) recompute, which costs no memory.
+# H200 measurements: kernels/delta/chunk.py's docstring and docs/benchmarks.md.
+KEEP_STATES_MIN_CHUNKS = 96
+
+
+def keep_states(plan: ChunkPlan) -> bool:
+    """Whether the forward keeps its states for the backward (see ``KEEP_STATES_MIN_CHUNKS``)."""
+    return plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs
 
 
 # Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_fwd", "wy_bwd", "output_fwd",

@@ -8,10 +8,10 @@ whose last step maps dg from cumulative back to raw gates.
 Keep or recompute: the state pass is sequential over the chunks of a sequence, so for long
 sequences its recomputation dominates the backward (H200, H = 16, K = V = 128, bf16: 0.27 ms of
 state pass + 0.10 ms of WY recomputation in a 2.65 ms fwd+bwd at 1 x 16384, against 0.12 + 0.10 at
-4 x 4096). When the sequences average at least ``KEEP_STATES_MIN_CHUNKS`` chunks, the forward keeps
-w, h and v_new for the backward (``h`` is ``[NT, H, K, V]`` in the input dtype: K/64 times the size
-of k, plus w and v_new the size of k and v); shorter sequences (training batches of packed
-documents) recompute them, which costs no memory.
+4 x 4096). When the sequences average at least ``index.KEEP_STATES_MIN_CHUNKS`` chunks, the
+forward keeps w, h and v_new for the backward (``h`` is ``[NT, H, K, V]`` in the input dtype: K/64
+times the size of k, plus w and v_new the size of k and v); shorter sequences (training batches of
+packed documents) recompute them, which costs no memory.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.index import keep_states, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
-
-KEEP_STATES_MIN_CHUNKS = 96
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
@@ -37,8 +35,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                  output_final_state=output_final_state)
         o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
-        keep = plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs
-        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *((w, h, v_new) if keep else ()))
+        kept = (w, h, v_new) if keep_states(plan) else ()
+        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, ht
 

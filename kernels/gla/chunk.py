@@ -10,8 +10,9 @@ sub-chunk keeps every factor below e^60, else token by token: see that module);
 Backward: ``dv = A^T do`` completed by ``state.state_bwd`` (which also yields ``dh`` and
 ``dh0``); ``dA = scale tril(do v^T)`` gives the intra parts of dq and dk; the inter parts and the
 gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the state-update terms at the
-chunk's last row) come from ``vector_gate_bwd_dqkg``. The states ``h`` are recomputed in the
-backward instead of kept (memory); ``A`` is kept.
+chunk's last row) come from ``vector_gate_bwd_dqkg``. The states ``h`` (and the cumulative gate)
+are recomputed in the backward, or for long sequences kept by the forward
+(``index.KEEP_STATES_MIN_CHUNKS``); ``A`` is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.index import keep_states, prepare_chunks
 from ttr.kernels.common.intra_vector_gate import (
     vector_gate_bwd_dqkg,
     vector_gate_dA,
@@ -44,17 +45,21 @@ class ChunkGLAFunction(torch.autograd.Function):
                                 output_final_state=output_final_state)
         A = vector_gate_scores(q, k, gk, plan, scale=scale)
         o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
-        ctx.save_for_backward(q, k, v, g, A, initial_state)
+        kept = (gk, h) if keep_states(plan) else ()
+        ctx.save_for_backward(q, k, v, g, A, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, A, initial_state = ctx.saved_tensors
+        q, k, v, g, A, initial_state, *kept = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
-        gk = chunk_local_cumsum(g, plan)
-        h, _, _ = state_fwd(k, v, plan, gk=gk, initial_state=initial_state)
+        if kept:
+            gk, h = kept
+        else:
+            gk = chunk_local_cumsum(g, plan)
+            h, _, _ = state_fwd(k, v, plan, gk=gk, initial_state=initial_state)
         dv_intra = vector_gate_dv(A, do, plan)
         dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
                                 dht=None if dht is None else dht.contiguous(),

@@ -158,3 +158,19 @@ def test_state_pass_refuses_the_wrong_launch_shape():
         _checked(bad, 2)
     assert _checked(bad, 4) == bad and _checked({**bad, "BV": 64}, 2)["BV"] == 64
     assert _checked({**bad, "num_stages": 2}, 2)["num_stages"] == 2
+
+
+def test_unpacked_plans_are_cached_and_equal_fresh_ones():
+    from ttr.kernels.common import index
+
+    a = prepare_chunks(None, 3, 130, device="cpu")
+    assert prepare_chunks(None, 3, 130, device=torch.device("cpu")) is a
+    fresh = index._build_plan(None, 3, 130, "cpu", index.CHUNK_SIZE)
+    for x, y in zip(a, fresh):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+    b = prepare_chunks(None, 3, 129, device="cpu")
+    assert b is not a and b.num_chunks == 9 and a.num_chunks == 9
+    assert prepare_chunks(torch.tensor([0, 130]), 1, 130) is not prepare_chunks(torch.tensor([0, 130]), 1, 130)

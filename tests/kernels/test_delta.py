@@ -100,10 +100,10 @@ def test_chunk_matches_oracle(backend, op, T, B, beta_max, h0, K, V):
 @pytest.mark.parametrize("cu_list", [None, PACKED[0]], ids=["single", "packed"])
 def test_chunk_kept_states_match_oracle(monkeypatch, op, cu_list):
     """The backward from states kept by the forward (long sequences) instead of recomputed."""
-    from ttr.kernels.delta import chunk as delta_chunk
+    from ttr.kernels.common import index
 
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
-    monkeypatch.setattr(delta_chunk, "KEEP_STATES_MIN_CHUNKS", 0)
+    monkeypatch.setattr(index, "KEEP_STATES_MIN_CHUNKS", 0)
     T = 130 if cu_list is None else cu_list[-1]
     x, cu = make_inputs(op, 1, T, 2, 16, 16, beta_max=2.0, cu_seqlens=cu_list, h0=True)
     check_against_oracle(op, x, cu, tol=1e-4)

@@ -257,3 +257,16 @@ def test_diagonal_block_paths_packed_strong_decay(triton_backend, two_k_blocks):
     g = split_gates(1, sum(lengths), 1, 32, strong=16)
     assert diagonal_paths(g, cu, two_k_blocks) == {("loop", "dot"), ("dot", "dot")}
     check(chunk_gla, reference_gla, q, k, v, g, h0, cu, tol_dg=5e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kept_states_match_oracle(triton_backend, monkeypatch, packed):
+    """The backward from the states (and cumulative gates) kept by the forward, as for long
+    sequences, instead of recomputed."""
+    from ttr.kernels.common import index
+
+    monkeypatch.setattr(index, "KEEP_STATES_MIN_CHUNKS", 0)
+    lengths = [1, 63, 130] if packed else [130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if packed else None
+    q, k, v, g, h0 = make_inputs(1, sum(lengths), 2, 6, 5, h0=True, n=len(lengths))
+    check(chunk_gla, reference_gla, q, k, v, g, h0, cu)

@@ -179,3 +179,36 @@ def test_fp16(backend):
     assert y.dtype == torch.float16 and final.dtype == torch.float32
     for a, b in zip([y, final, *grads], [y_ref, final_ref, *grads_ref]):
         assert rel_rms(a, b) < 2e-3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kept_states_match_oracle(monkeypatch, packed):
+    """The backward from the states kept by the forward, as for long sequences, instead of
+    recomputed (simple GLA and SSD share the autograd Function)."""
+    from ttr.kernels.common import index
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    monkeypatch.setattr(index, "KEEP_STATES_MIN_CHUNKS", 0)
+    lengths = [1, 63, 130] if packed else [130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if packed else None
+    inputs, h0 = gla_inputs(1, sum(lengths), 2, 6, 5, h0=True, n=len(lengths))
+    check(chunk_simple_gla, reference_simple_gla, inputs, GLA_NAMES, h0, cu)
+    inputs, h0 = ssd_inputs(1, sum(lengths), 4, 2, 6, 5, h0=True, n=len(lengths))
+    check(chunk_ssd, reference_ssd, inputs, SSD_NAMES, h0, cu)
+
+
+@pytest.mark.parametrize("p", [5, 64, 130])
+def test_scale_rows_kernel(p):
+    """The fused ``v = x * dt`` of chunk_ssd and its backward against torch in float64."""
+    from ttr.kernels.ssd.chunk import ScaleRowsFunction
+
+    x = torch.randn(2, 37, 3, p, requires_grad=True)
+    dt = torch.rand(2, 37, 3, requires_grad=True)
+    v = ScaleRowsFunction.apply(x, dt)
+    x64, dt64 = (t.detach().double().requires_grad_() for t in (x, dt))
+    v64 = x64 * dt64.unsqueeze(-1)
+    dv = torch.randn_like(v64)
+    v.backward(dv.float())
+    v64.backward(dv)
+    for got, want in ((v, v64), (x.grad, x64.grad), (dt.grad, dt64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
