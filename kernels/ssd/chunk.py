@@ -66,26 +66,26 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 
 @triton.jit
-def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+def _rows(x, dt, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+    """This program's BR rows of x ``[R, P]`` (fp32) and dt ``[R]``, with offsets and masks."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BP)
     m_r = rows < R
     m = m_r[:, None] & (cols[None, :] < P)
     offs = rows.to(tl.int64)[:, None] * P + cols[None, :]
-    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
     b_x = tl.load(x + offs, mask=m, other=0.).to(tl.float32)
+    return rows, offs, m_r, m, b_x, tl.load(dt + rows, mask=m_r, other=0.)
+
+
+@triton.jit
+def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+    rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
     tl.store(v + offs, (b_x * b_dt[:, None]).to(v.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def scale_rows_bwd_kernel(x, dt, dv, dx, ddt, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BP)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < P)
-    offs = rows.to(tl.int64)[:, None] * P + cols[None, :]
-    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
-    b_x = tl.load(x + offs, mask=m, other=0.).to(tl.float32)
+    rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
     b_dv = tl.load(dv + offs, mask=m, other=0.).to(tl.float32)
     tl.store(dx + offs, (b_dv * b_dt[:, None]).to(dx.dtype.element_ty), mask=m)
     tl.store(ddt + rows, tl.sum(b_dv * b_x, 1), mask=m_r)
