@@ -30,7 +30,10 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, dev
     """Index chunks per sequence. Without ``cu_seqlens`` the batch is read as B packed sequences
     of length T (the memory of ``[B, T, ...]`` is that of ``[1, B*T, ...]``); those plans are cached."""
     if cu_seqlens is None:
-        key = (batch, seqlen, str(torch.device(device) if device is not None else "cpu"), chunk_size)
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:  # the cache holds tensors of one GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (batch, seqlen, str(device), chunk_size)
         plan = _PLANS.get(key)
         if plan is None:
             if len(_PLANS) >= _MAX_PLANS:
