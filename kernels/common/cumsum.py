@@ -2,6 +2,8 @@
 
 Inside chunk c of a sequence, ``g_cum[t] = sum_{s in chunk, s <= t} g[s]`` (``reverse=True``:
 ``s >= t``, which is the backward of the forward sum). fp32 out, whatever the input dtype.
+With ``scale`` (``[H]``, fp32) the summed terms are ``g[s] * scale[h]``: Mamba2's gate ``A dt``
+without a separate product pass.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from ttr.kernels.common.index import ChunkPlan
 
 
 @triton.jit
-def chunk_cumsum_kernel(g, out, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, USE_SCALE: tl.constexpr):
     i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -24,20 +26,23 @@ def chunk_cumsum_kernel(g, out, cu_seqlens, chunk_indices, H: tl.constexpr, K: t
     m = (o_t < eos)[:, None] & (o_k < K)[None, :]
     p = (o_t.to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
     b_g = tl.load(g + p, mask=m, other=0).to(tl.float32)  # [BT, BK]
+    if USE_SCALE:
+        b_g *= tl.load(scale + i_h)
     b_c = tl.cumsum(b_g, axis=0)
     if REVERSE:
         b_c = tl.sum(b_g, axis=0)[None, :] - b_c + b_g
     tl.store(out + p, b_c, mask=m)
 
 
-def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = False) -> torch.Tensor:
-    """``g``: ``[B,T,H]`` or ``[B,T,H,K]``; returns fp32 of the same shape."""
+def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = False,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``g``: ``[B,T,H]`` or ``[B,T,H,K]``; ``scale``: ``[H]`` fp32 factors or None; returns fp32 of g's shape."""
     g = g.contiguous()
     H = g.shape[2]
     K = g.shape[3] if g.dim() == 4 else 1
     BK = min(triton.next_power_of_2(K), 64)
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     grid = (plan.num_chunks, H, triton.cdiv(K, BK))
-    chunk_cumsum_kernel[grid](g, out, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size,
-                              BK=BK, REVERSE=reverse)
+    chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size,
+                              BK=BK, REVERSE=reverse, USE_SCALE=scale is not None)
     return out

@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import chunk_gate, tile
+from ttr.kernels.common.tile import chunk_gate, qk_rows, tile
 
 
 @triton.jit
-def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+                      K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
@@ -35,8 +36,8 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        p_q, m_q = tile(q + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-        p_k, m_k = tile(k + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
+        p_q, m_q = tile(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
+        p_k, m_k = tile(qk_rows(k, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         p_h, m_h = tile(h + (i_t.to(tl.int64) * H + i_h) * K * V, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
         b_q = tl.load(p_q, mask=m_q, other=0.)
         b_k = tl.load(p_k, mask=m_k, other=0.)
@@ -57,7 +58,8 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
 
 
 @triton.jit
-def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+                         K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_G: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -67,8 +69,8 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
     o_i = tl.arange(0, BT)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
     for i_k in range(tl.cdiv(K, BK)):
-        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-        p_q, m_q = tile(q + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)
+        p_k, m_k = tile(qk_rows(k, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
+        p_q, m_q = tile(qk_rows(q, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_A += tl.dot(tl.load(p_k, mask=m_k, other=0.), tl.load(p_q, mask=m_q, other=0.))
     m_A = o_i[:, None] <= o_i[None, :]
     if USE_G:
@@ -84,8 +86,8 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
 
 @triton.jit
 def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, TT,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr):
+                          H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -120,8 +122,8 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
             p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
             b_dv = tl.load(p_dv, mask=m_dv, other=0.)
             b_dw += tl.dot(b_dv.to(b_h.dtype), b_h)
-    p_q, m_q = tile(q + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-    p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    p_q, m_q = tile(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
+    p_k, m_k = tile(qk_rows(k, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
     b_q = tl.load(p_q, mask=m_q, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     m_A = o_i[:, None] >= o_i[None, :]
@@ -161,37 +163,41 @@ def _blocks(K: int, V: int) -> tuple[int, int]:
 
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, plan: ChunkPlan, *,
                scale: float, g: torch.Tensor | None = None) -> torch.Tensor:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    """``o [B, T, H, V]``; q and k may have ``HK < H`` heads, each shared by ``H / HK`` heads of v."""
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     BK, BV = _blocks(K, V)
     o = torch.empty_like(v)
     # H200 sweeps: BV 128 > 64 (delta rules); 8 warps, 3 stages: 0.151 -> 0.131 ms (simple GLA 4 x 4096;
     # the delta rules run the same kernel on the same shapes, with v_new for v)
     cfg = tuned("output_fwd", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=8, num_stages=3)
     output_fwd_kernel[(triton.cdiv(V, cfg['BV']), plan.num_chunks, H)](
-        q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
+        q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
         USE_G=g is not None, **cfg)
     return o
 
 
 def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: ChunkPlan, *, scale: float,
                   g: torch.Tensor | None = None) -> torch.Tensor:
-    B, T, H, K = q.shape
-    V = do.shape[-1]
+    B, T, HK, K = q.shape
+    H, V = do.shape[2:]
     BK, BV = _blocks(K, V)
     dv = torch.empty_like(do)
     output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
-                                               K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
+                                               HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
                                                **tuned("output_bwd_dv"))
     return dv
 
 
 def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
                    do: torch.Tensor, plan: ChunkPlan, *, scale: float, g: torch.Tensor | None = None,
-                   dv: torch.Tensor | None = None):
-    """Returns ``(dq, dk fp32, dw or None, dg fp32 in cumulative-gate space or None)``."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+                   dv: torch.Tensor | None = None, dk_dtype: torch.dtype = torch.float32):
+    """Returns ``(dq, dk in dk_dtype, dw or None, dg fp32 in cumulative-gate space or None)``. dk is fp32
+    by default for the delta rules, which add the WY part to it; a mixer whose dk is final asks for
+    the input dtype (no conversion pass). With q/k of ``HK < H`` heads (groups) dq and dk are per
+    value head, ``[B, T, H, K]``: the caller sums each group."""
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     BK, BV = _blocks(K, V)
     if dv is None and K <= 128:
         # no w term (simple GLA / SSD): one program per chunk over all of K, so dS and dS^T are formed
@@ -201,13 +207,13 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     else:
         cfg = tuned("output_bwd_dqk", BK=BK, num_stages=2 if q.element_size() == 4 else 3)
     NK = triton.cdiv(K, cfg["BK"])
-    dq = torch.empty_like(q)
-    dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dq = q.new_empty(B, T, H, K)
+    dk = q.new_empty(B, T, H, K, dtype=dk_dtype)
     dw = torch.empty_like(k) if dv is not None else None
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
     output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
-        q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, K=K,
+        q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, HK=HK, K=K,
         V=V, BT=plan.chunk_size, BV=BV, USE_G=g is not None, USE_W=dv is not None, **cfg)
     if dg is not None:
-        dg = dg.sum(0)
+        dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg

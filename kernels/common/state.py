@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import chunk_gate, tile
+from ttr.kernels.common.tile import chunk_gate, qk_rows, tile
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
 
 @triton.jit
 def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
@@ -102,11 +102,11 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
         _store_half(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
         if SPLIT:
             _store_half(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
-        p_kb = k + (bos * H + i_h) * K
+        p_kb = qk_rows(k, bos, i_h, H, HK, K)
         b_v = _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
-        b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         if SPLIT:
-            b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+            b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
             b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
@@ -142,7 +142,7 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
 
 @triton.jit
 def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -168,13 +168,13 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             _store_half(p_dh, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
-        p_kb = k + (bos * H + i_h) * K
-        p_qb = q + (bos * H + i_h) * K
-        b_kT = _load_half(p_kb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
-        b_q = _load_half(p_qb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        p_kb = qk_rows(k, bos, i_h, H, HK, K)
+        p_qb = qk_rows(q, bos, i_h, H, HK, K)
+        b_kT = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
+        b_q = _load_half(p_qb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         if SPLIT:
-            b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
-            b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+            b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+            b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
         b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
         if USE_G:
@@ -246,7 +246,8 @@ def _gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
-def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+                       K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
     """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
@@ -256,7 +257,7 @@ def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
-    b_x = _load_half(x + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+    b_x = _load_half(qk_rows(x, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
     b_x = _gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
     b_y = _load_half(y + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
     b_s = tl.dot(b_x, b_y.to(b_x.dtype)) * scale
@@ -301,7 +302,8 @@ def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.cons
 
 
 @triton.jit
-def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                    K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     USE_GK: tl.constexpr):
     """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known)."""
@@ -312,7 +314,7 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
     b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
     p_dh = dh + (i_t.to(tl.int64) * H + i_h) * K * V
     for i_k in range(tl.cdiv(K, BK)):
-        b_kT = _load_half(k + (bos * H + i_h) * K, i_k * BK, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+        b_kT = _load_half(qk_rows(k, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         b_kT = _gated_xT(b_kT, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, True)
         b_dh = _load_half(p_dh, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)  # [BK, BV]
         # the decayed k^T tile is loaded transposed (as in the sequential backward), so k = trans(load)
@@ -387,12 +389,12 @@ def _block(n: int, cap: int) -> int:
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
                  stage: str) -> torch.Tensor:
     """``ΔS`` (decay: x = k, y = v) or ``ΔD`` (x = q, y = do), fp32 ``[NT, H, K, V]``."""
-    B, T, H, K = x.shape
-    V = y.shape[-1]
+    B, T, HK, K = x.shape
+    H, V = y.shape[2:]
     cfg = tuned(stage, BK=_block(K, 64), BV=_block(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(K, cfg["BK"]) * triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)
-    state_chunk_kernel[grid](x, y, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V,
+    state_chunk_kernel[grid](x, y, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V,
                              BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay, **cfg)
     return out
 
@@ -417,13 +419,13 @@ def _scan(d: torch.Tensor, plan: ChunkPlan, *, g, gk, start, need_end: bool, dty
 
 
 def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *, g, gk) -> torch.Tensor:
-    B, T, H, K = k.shape
-    V = dv.shape[-1]
+    B, T, HK, K = k.shape
+    H, V = dv.shape[2:]
     # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
     cfg = tuned("state_bwd_dv", BK=_block(K, 64), BV=_block(V, 64), num_warps=4, num_stages=2)
     dv2 = torch.empty_like(dv)
     state_dv_kernel[(triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)](
-        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
+        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
         USE_G=g is not None, USE_GK=gk is not None, **cfg)
     return dv2
 
@@ -431,15 +433,16 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False):
-    """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``.
+    """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
+    have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
     if _two_level("state_fwd", w, plan):
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk")
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
                       reverse=False, stage="state_fwd_scan")
         return h, u, ht
-    B, T, H, K = k.shape
-    V = u.shape[-1]
+    B, T, HK, K = k.shape
+    H, V = u.shape[2:]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
@@ -448,7 +451,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     state_fwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
-        k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
+        k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, HK=HK, K=K, V=V,
         BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
     return h, v_new, ht
@@ -465,8 +468,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
                         stage="state_bwd_scan")
         del dD  # fp32 [NT, H, K, V]: free before dv2 is allocated
         return dh, dh0, _dv_with_states(k, dh, dv, plan, g=g, gk=gk)
-    B, T, H, K = k.shape
-    V = do.shape[-1]
+    B, T, HK, K = k.shape
+    H, V = do.shape[2:]
     N = plan.num_seqs
     BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
@@ -475,7 +478,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     dv2 = torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
-        q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, K=K, V=V,
+        q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, HK=HK, K=K,
+        V=V,
         BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg)
     return dh, dh0, dv2

@@ -27,3 +27,10 @@ def chunk_gate(g, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     b_g = tl.load(g + (t0 + o_i) * H + i_h, mask=o_i < n_valid, other=0.)
     b_gl = tl.load(g + (t0 + tl.minimum(n_valid, BT) - 1) * H + i_h)
     return tl.where(o_i < n_valid, b_g, b_gl)
+
+
+@triton.jit
+def qk_rows(x, bos, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr):
+    """Head ``i_h``'s first row of q or k ``[T_total, HK, K]`` (row stride ``HK * K``): ``HK`` heads, each
+    shared by ``H // HK`` consecutive value heads (Mamba2's groups of B and C; ``HK = H`` otherwise)."""
+    return x + (bos * HK + i_h // (H // HK)) * K

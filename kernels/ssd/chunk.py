@@ -14,11 +14,13 @@ Backward (states ``h`` recomputed, or kept by the forward for long sequences:
 and since ``G_t = sum_{s <= t in chunk} g_s``, ``dg_t = sum_{s >= t in chunk} dG_s``: the reverse
 chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
 
-``chunk_ssd`` maps Mamba2's inputs onto simple GLA (``q = C, k = B, v = x dt, g = A dt``, groups
-repeated over heads) with torch ops, so dx, ddt, dA, dB, dC (group sums) follow by autograd; only
-``v = x dt`` and its backward (``dx = dv dt``, ``ddt = sum_p dv x``) are one fused kernel each
-(``scale_rows``): as torch ops they ran through fp32 temporaries, six elementwise kernels that
-took ~0.6 ms of a 2.1 ms fwd+bwd at 4 x 4096 (H200 profile).
+``chunk_ssd`` runs the same stages on Mamba2's inputs (``q = C, k = B, v = x dt, g = A dt``) as one
+autograd node, ``ChunkSSDFunction``: the stages read B and C by group (head h uses group
+``h // (H / G)``, no ``[B, T, H, N]`` copies), the chunk cumsum multiplies by ``A`` as it sums, and
+``v = x dt`` is one row kernel (``scale_rows``); the backward's row kernel gives ``dx = dv dt`` and
+``ddt = sum_p dv x + A dg``, then ``dA = sum dg dt`` and the group sums of dB, dC. As torch ops
+around simple GLA the map cost 0.5 - 0.9 ms of a fwd+bwd at 16K tokens on the H200 (casts through
+fp32 temporaries, group copies and sums, one autograd node per op).
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
 from ttr.kernels.utils import kernel_backend
 
 
+def _forward(q, k, v, gc, initial_state, scale, output_final_state, plan):
+    """Simple GLA's forward on the cumulative gate ``gc``: ``(o, final state, h if kept else None)``."""
+    h, _, final = state_fwd(k, v, plan, g=gc, initial_state=initial_state, output_final_state=output_final_state)
+    o = output_fwd(q, k, v, h, plan, scale=scale, g=gc)
+    return o, final, (h if keep_states(plan) else None)
+
+
+def _backward(q, k, v, gc, initial_state, h, do, dht, plan, scale):
+    """Simple GLA's backward: ``(dq, dk, dv, dgc, dh0)``, dq/dk/dv in the input dtype, ``dgc`` (fp32) in
+    cumulative-gate space (``chunk_local_cumsum(dgc, reverse=True)`` turns it into the gate's)."""
+    do = do.contiguous()
+    if h is None:
+        h = state_fwd(k, v, plan, g=gc, initial_state=initial_state)[0]
+    dv_intra = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, g=gc,
+                            dht=None if dht is None else dht.contiguous(), need_dh0=initial_state is not None)
+    dq, dk, _, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc, dk_dtype=k.dtype)
+    return dq, dk, dv.to(v.dtype), dgc, dh0
+
+
 class ChunkSimpleGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
@@ -43,26 +65,17 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
         gc = chunk_local_cumsum(g, plan)
-        h, _, final = state_fwd(k, v, plan, g=gc, initial_state=initial_state,
-                                output_final_state=output_final_state)
-        o = output_fwd(q, k, v, h, plan, scale=scale, g=gc)
-        ctx.save_for_backward(q, k, v, gc, initial_state, *((h,) if keep_states(plan) else ()))
+        o, final, h = _forward(q, k, v, gc, initial_state, scale, output_final_state, plan)
+        ctx.save_for_backward(q, k, v, gc, initial_state, h)
         ctx.plan, ctx.scale = plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gc, initial_state, *kept = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        do = do.contiguous()
-        h = kept[0] if kept else state_fwd(k, v, plan, g=gc, initial_state=initial_state)[0]
-        dv_intra = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
-        dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, g=gc,
-                                dht=None if dht is None else dht.contiguous(),
-                                need_dh0=initial_state is not None)
-        dq, dk, _, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc)
-        dg = chunk_local_cumsum(dgc, plan, reverse=True)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), dg, dh0, None, None, None
+        q, k, v, gc, initial_state, h = ctx.saved_tensors
+        dq, dk, dv, dgc, dh0 = _backward(q, k, v, gc, initial_state, h, do, dht, ctx.plan, ctx.scale)
+        dg = chunk_local_cumsum(dgc, ctx.plan, reverse=True)
+        return dq, dk, dv, dg, dh0, None, None, None
 
 
 @triton.jit
@@ -84,11 +97,15 @@ def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl
 
 
 @triton.jit
-def scale_rows_bwd_kernel(x, dt, dv, dx, ddt, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+def scale_rows_bwd_kernel(x, dt, dv, dg, A, dx, ddt, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr,
+                          BP: tl.constexpr):
+    """``dx = dv dt``, ``ddt = sum_p dv x + dg A[h]`` (row r = (b, t, h) of ``[B, T, H]``: the gate
+    ``g = A dt`` shares dt's rows)."""
     rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
     b_dv = tl.load(dv + offs, mask=m, other=0.).to(tl.float32)
     tl.store(dx + offs, (b_dv * b_dt[:, None]).to(dx.dtype.element_ty), mask=m)
-    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1), mask=m_r)
+    b_dg = tl.load(dg + rows, mask=m_r, other=0.) * tl.load(A + rows % H, mask=m_r, other=0.)
+    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg, mask=m_r)
 
 
 def _scale_rows_launch(P: int) -> tuple[int, int]:
@@ -96,28 +113,47 @@ def _scale_rows_launch(P: int) -> tuple[int, int]:
     return BP, max(1, 4096 // BP)
 
 
-class ScaleRowsFunction(torch.autograd.Function):
-    """``v = x * dt[..., None]`` in x's dtype (products in fp32), x ``[B, T, H, P]``, dt ``[B, T, H]`` fp32."""
+def _group_sum(dy: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per-head gradients ``[B, T, H, N]`` of B or C summed over the heads of each of the G groups."""
+    B, T, H, N = dy.shape
+    return dy if groups == H else dy.view(B, T, groups, H // groups, N).sum(3)
+
+
+class ChunkSSDFunction(torch.autograd.Function):
+    """Mamba2's SSD as one autograd node over simple GLA's stages (module docstring). The map costs no
+    torch passes in the forward: the stages read B and C by group (``tile.qk_rows``), ``A dt`` is
+    summed by the chunk cumsum and ``x dt`` is one row kernel; the backward adds the row kernel
+    (``dx`` and both parts of ``ddt``), the group sums of dB and dC and ``dA``."""
 
     @staticmethod
-    def forward(ctx, x, dt):
-        x, dt = x.contiguous(), dt.contiguous()
+    def forward(ctx, x, dt, A, B, C, initial_state, output_final_state, cu_seqlens):
+        x, dt, A, B, C = (y.contiguous() for y in (x, dt, A, B, C))
+        initial_state = None if initial_state is None else initial_state.contiguous()
+        batch, T, H, P = x.shape
+        plan = prepare_chunks(cu_seqlens, batch, T, device=x.device)
+        q, k = C, B  # [batch, T, G, N]: the kernels read head h's group h // (H / G)
         v = torch.empty_like(x)
-        R, P = dt.numel(), x.shape[-1]
         BP, BR = _scale_rows_launch(P)
-        scale_rows_fwd_kernel[(triton.cdiv(R, BR),)](x, dt, v, R, P=P, BR=BR, BP=BP)
-        ctx.save_for_backward(x, dt)
-        return v
+        scale_rows_fwd_kernel[(triton.cdiv(dt.numel(), BR),)](x, dt, v, dt.numel(), P=P, BR=BR, BP=BP)
+        gc = chunk_local_cumsum(dt, plan, scale=A)
+        o, final, h = _forward(q, k, v, gc, initial_state, 1.0, output_final_state, plan)
+        ctx.save_for_backward(x, dt, A, q, k, v, gc, initial_state, h)
+        ctx.plan = plan
+        return o, final
 
     @staticmethod
-    def backward(ctx, dv):
-        x, dt = ctx.saved_tensors
-        dv = dv.contiguous()
+    def backward(ctx, do, dht):
+        x, dt, A, q, k, v, gc, initial_state, h = ctx.saved_tensors
+        plan = ctx.plan
+        dq, dk, dv, dgc, dh0 = _backward(q, k, v, gc, initial_state, h, do, dht, plan, 1.0)
+        dg = chunk_local_cumsum(dgc, plan, reverse=True)  # d/d(A dt)
         dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-        R, P = dt.numel(), x.shape[-1]
+        R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
         BP, BR = _scale_rows_launch(P)
-        scale_rows_bwd_kernel[(triton.cdiv(R, BR),)](x, dt, dv, dx, ddt, R, P=P, BR=BR, BP=BP)
-        return dx, ddt
+        scale_rows_bwd_kernel[(triton.cdiv(R, BR),)](x, dt, dv, dg, A, dx, ddt, R, H=H, P=P, BR=BR, BP=BP)
+        dA = torch.einsum("nh,nh->h", dg.view(-1, H), dt.view(-1, H))
+        G = k.shape[2]
+        return dx, ddt, dA, _group_sum(dk, G), _group_sum(dq, G), dh0, None, None
 
 
 def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
@@ -184,6 +220,7 @@ def chunk_ssd(
         those belong to the layer. Gradients flow to x, dt, A, B, C and initial_state.
     """
     check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    fused = kernel_backend(x) == "triton" and x.dtype != torch.float64 and x.shape[1] > 0
-    q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C, scale_rows=ScaleRowsFunction.apply if fused else None)
-    return _simple_gla(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    if kernel_backend(x) == "torch" or x.dtype == torch.float64 or x.shape[1] == 0:
+        q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
+        return chunked(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    return ChunkSSDFunction.apply(x, dt, A, B, C, initial_state, output_final_state, cu_seqlens)

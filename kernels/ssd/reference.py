@@ -60,13 +60,12 @@ def check_ssd_inputs(x, dt, A, B, C, *, initial_state, cu_seqlens) -> int:
     return n
 
 
-def ssd_as_simple_gla(x, dt, A, B, C, scale_rows=None):
-    """(x, dt, A, B, C) -> (q, k, v, g) of simple GLA, with scale 1; differentiable torch ops.
-    ``scale_rows(x, dt)``, when given, computes ``v = x * dt[..., None]`` instead (a fused kernel)."""
+def ssd_as_simple_gla(x, dt, A, B, C):
+    """(x, dt, A, B, C) -> (q, k, v, g) of simple GLA, with scale 1; differentiable torch ops."""
     rep = x.shape[2] // B.shape[2]
     q = C.repeat_interleave(rep, dim=2) if rep > 1 else C
     k = B.repeat_interleave(rep, dim=2) if rep > 1 else B
-    v = (x * dt.unsqueeze(-1)).to(x.dtype) if scale_rows is None else scale_rows(x, dt)
+    v = (x * dt.unsqueeze(-1)).to(x.dtype)
     g = dt * A
     return q, k, v, g
 

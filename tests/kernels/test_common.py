@@ -56,6 +56,11 @@ def test_chunk_local_cumsum(B, T, cu, vector):
             x = g[b, c0:c1]
             assert torch.allclose(out[b, c0:c1], x.cumsum(0), atol=1e-5)
             assert torch.allclose(back[b, c0:c1], x.flip(0).cumsum(0).flip(0), atol=1e-5)
+    # per-head factors (Mamba2's g = A dt summed without a product pass)
+    A = torch.tensor([-0.5, -3.0])
+    A_shape = (2, 1) if vector else (2,)
+    assert torch.allclose(chunk_local_cumsum(g, plan, scale=A), chunk_local_cumsum(g * A.view(A_shape), plan),
+                          atol=1e-5)
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)

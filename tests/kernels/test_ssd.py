@@ -198,17 +198,10 @@ def test_kept_states_match_oracle(monkeypatch, packed):
 
 
 @pytest.mark.parametrize("p", [5, 64, 130])
-def test_scale_rows_kernel(p):
-    """The fused ``v = x * dt`` of chunk_ssd and its backward against torch in float64."""
-    from ttr.kernels.ssd.chunk import ScaleRowsFunction
-
-    x = torch.randn(2, 37, 3, p, requires_grad=True)
-    dt = torch.rand(2, 37, 3, requires_grad=True)
-    v = ScaleRowsFunction.apply(x, dt)
-    x64, dt64 = (t.detach().double().requires_grad_() for t in (x, dt))
-    v64 = x64 * dt64.unsqueeze(-1)
-    dv = torch.randn_like(v64)
-    v.backward(dv.float())
-    v64.backward(dv)
-    for got, want in ((v, v64), (x.grad, x64.grad), (dt.grad, dt64.grad)):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+def test_ssd_head_dims_through_fused_map(monkeypatch, p):
+    """Mamba2's map inside chunk_ssd's one autograd node (``v = x dt`` and ``ddt`` in the row
+    kernels, ``A dt`` in the chunk cumsum, group broadcasts and sums) against the oracle, for head
+    dims below, at and above one row block; every input's gradient, dA and dB/dC group sums included."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    inputs, h0 = ssd_inputs(1, 37, 4, 2, 6, p, h0=True, n=1)
+    check(chunk_ssd, reference_ssd, inputs, SSD_NAMES, h0, None)
