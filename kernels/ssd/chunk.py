@@ -97,15 +97,20 @@ def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl
 
 
 @triton.jit
-def scale_rows_bwd_kernel(x, dt, dv, dg, A, dx, ddt, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr,
-                          BP: tl.constexpr):
-    """``dx = dv dt``, ``ddt = sum_p dv x + dg A[h]`` (row r = (b, t, h) of ``[B, T, H]``: the gate
-    ``g = A dt`` shares dt's rows)."""
+def scale_rows_bwd_kernel(x, dt, dv, dg, A, dx, ddt, dA, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr,
+                          BP: tl.constexpr, BH: tl.constexpr):
+    """``dx = dv dt``, ``ddt = sum_p dv x + dg A[h]`` and this program's part of ``dA[h] = sum dg dt``
+    (row r = (b, t, h) of ``[B, T, H]``: the gate ``g = A dt`` shares dt's rows; ``dA`` is
+    ``[programs, H]``, summed by the caller)."""
     rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
     b_dv = tl.load(dv + offs, mask=m, other=0.).to(tl.float32)
     tl.store(dx + offs, (b_dv * b_dt[:, None]).to(dx.dtype.element_ty), mask=m)
-    b_dg = tl.load(dg + rows, mask=m_r, other=0.) * tl.load(A + rows % H, mask=m_r, other=0.)
-    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg, mask=m_r)
+    b_dg = tl.load(dg + rows, mask=m_r, other=0.)
+    b_h = rows % H
+    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg * tl.load(A + b_h, mask=m_r, other=0.), mask=m_r)
+    o_h = tl.arange(0, BH)
+    b_da = tl.sum(tl.where(b_h[:, None] == o_h[None, :], (b_dg * b_dt)[:, None], 0.), 0)  # [BH]
+    tl.store(dA + tl.program_id(0) * H + o_h, b_da, mask=o_h < H)
 
 
 def _scale_rows_launch(P: int) -> tuple[int, int]:
@@ -150,8 +155,10 @@ class ChunkSSDFunction(torch.autograd.Function):
         dx, ddt = torch.empty_like(x), torch.empty_like(dt)
         R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
         BP, BR = _scale_rows_launch(P)
-        scale_rows_bwd_kernel[(triton.cdiv(R, BR),)](x, dt, dv, dg, A, dx, ddt, R, H=H, P=P, BR=BR, BP=BP)
-        dA = torch.einsum("nh,nh->h", dg.view(-1, H), dt.view(-1, H))
+        dA = dt.new_empty(triton.cdiv(R, BR), H)
+        scale_rows_bwd_kernel[(dA.shape[0],)](x, dt, dv, dg, A, dx, ddt, dA, R, H=H, P=P, BR=BR, BP=BP,
+                                              BH=triton.next_power_of_2(H))
+        dA = dA.sum(0)
         G = k.shape[2]
         return dx, ddt, dA, _group_sum(dk, G), _group_sum(dq, G), dh0, None, None
 
