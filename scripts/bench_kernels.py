@@ -8,6 +8,9 @@ Rows are pluggable: ``ROWS[name] = Row(ttr_fn, fla_fn, make_inputs, reference_fn
 owner registers rows in a module of its own, named ``ttr.scripts.bench_rows_<op>`` (imported
 automatically) or passed with ``--module``. ``fla_fn`` is None-able; it gets the same inputs.
 Usage: ``ttr bench [--ops delta,gated_delta] [--seqlens 2048,4096] [--out table.md]``.
+``--profile`` prints instead the CUDA kernels of ttr's fwd+bwd per row (``torch.profiler``, ms per
+iteration) and the host time of one call: a row whose host time approaches its kernel time is
+timed as the host, not the GPU (``do_bench`` measures from the first launch).
 """
 
 from __future__ import annotations
@@ -98,6 +101,57 @@ def _bench(fn, x, do, backward: bool) -> float:
     def step():
         fn(**x)[0].backward(do)
     return do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+
+
+def _profile_row(row: Row, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
+    """(kernel ms per fwd+bwd, host ms per call, [(kernel name, launches per call, ms per call)])."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = row.make_inputs(B, T, HEADS, HEAD_DIM, torch.bfloat16, device)
+    leaves = [t.requires_grad_(True) for t in x.values() if t.is_floating_point()]
+    do = torch.randn(B, T, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        row.ttr(**x)[0].backward(do)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):  # not synchronised: the host runs ahead of the GPU as long as it can
+        step()
+    host = (time.perf_counter() - t0) / iters * 1e3
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]) as p:
+        for _ in range(iters):
+            step()
+        sync()
+    kernels = [(e.key, e.count / iters, e.self_device_time_total / iters / 1e3) for e in p.key_averages()
+               if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels.sort(key=lambda k: -k[2])
+    return sum(k[2] for k in kernels), host, kernels
+
+
+def profile(ops: list[str], seqlens: list[int], device=None, iters: int = 10) -> str:
+    """Per-kernel GPU time (ms per fwd+bwd) and host ms per call of ttr's rows, as markdown."""
+    device = torch.device(device or "cuda")
+    lines = []
+    for name in ops:
+        for T in seqlens:
+            B = max(1, TOKENS // T)
+            total, host, kernels = _profile_row(ROWS[name], B, T, device, iters)
+            block = [f"{name} {B} x {T}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call", "",
+                     "| kernel | launches per call | ms per call |", "|---|---|---|"]
+            block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
+            print("\n".join(block), flush=True)
+            lines += block
+    return "\n".join(lines)
 
 
 def _rel(a, b) -> float:
@@ -226,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--stages", action="store_true", help="time each engine stage instead (delta rules)")
     parser.add_argument("--sweep", action="store_true", help="with --stages: also time launch alternatives")
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ttr bench needs a CUDA GPU", file=sys.stderr)
@@ -243,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [o for o in ops if o not in ROWS]
     if unknown:
         parser.error(f"unknown ops {unknown}; registered: {sorted(ROWS)}")
-    table = run(ops, [int(t) for t in args.seqlens.split(",")], with_fla=not args.no_fla)
-    print(table)
+    seqlens = [int(t) for t in args.seqlens.split(",")]
+    if args.profile:
+        table = profile(ops, seqlens)
+    else:
+        table = run(ops, seqlens, with_fla=not args.no_fla)
+        print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")

@@ -25,3 +25,20 @@ def test_package_imported_once_as_ttr():
         and Path(mod.__file__).resolve() == root / "__init__.py"
     ]
     assert others == []
+
+
+def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
+    """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
+    measured, kernel table formatted (empty without CUDA)."""
+    from ttr.scripts import bench_kernels
+    from ttr.scripts.bench_rows_gla_ssd import ROWS  # noqa: F401  (registers the ssd row)
+
+    monkeypatch.setattr(bench_kernels, "TOKENS", 64)
+    monkeypatch.setattr(bench_kernels, "HEADS", 2)
+    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
+    report = bench_kernels.profile(["ssd"], [32], device="cpu", iters=1)
+    head = report.splitlines()[0]
+    assert head.startswith("ssd 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
+    assert float(head.split("host ")[1].split(" ms")[0]) > 0
+    assert "| kernel | launches per call | ms per call |" in report

@@ -9,11 +9,14 @@ total number of chunks over all sequences, in sequence order. Gates are log-spac
 the engine, already chunk-local cumulative sums (``g_cum``).
 
 Stages (Triton, forward and backward; ``q, k [B,T,H,K]``, ``v, u, v_new [B,T,H,V]``, ``g [B,T,H]``,
-``gk [B,T,H,K]``, ``beta [B,T,H]``):
+``gk [B,T,H,K]``, ``beta [B,T,H]``). In the state and output stages without ``w`` or ``gk``, q and k
+may have ``HK < H`` heads, each shared by ``H / HK`` consecutive heads (Mamba2's groups of B and
+C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the caller to sum):
 
 - ``index.prepare_chunks(cu_seqlens, batch, seqlen, chunk_size=64) -> ChunkPlan``
-- ``cumsum.chunk_local_cumsum(g, plan, *, reverse=False) -> g_cum`` (fp32, ``[B,T,H]`` or
-  ``[B,T,H,K]``). Its backward is the same call with ``reverse=True``.
+- ``cumsum.chunk_local_cumsum(g, plan, *, reverse=False, scale=None) -> g_cum`` (fp32, ``[B,T,H]`` or
+  ``[B,T,H,K]``; ``scale [H]`` multiplies each head's terms). Its backward is the same call with
+  ``reverse=True``.
 - ``wy.wy_fwd(k, v, beta, plan, *, g=None) -> (w, u, Ainv)``:
   ``A = tril(diag(beta) K K^T ⊙ Γ, -1)``, ``Γ_ij = exp(g_i - g_j)`` (1 without g),
   ``Ainv = (I + A)^-1`` (``[B,T,H,BT]`` fp32), ``T = Ainv diag(beta)``, ``w = T (k ⊙ exp(g))``,
@@ -32,8 +35,8 @@ Stages (Triton, forward and backward; ``q, k [B,T,H,K]``, ``v, u, v_new [B,T,H,V
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of
   ``v_new`` (``(q k^T ⊙ causal ⊙ Γ)^T do * scale``).
-- ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None)
-  -> (dq, dk, dw, dg)``: dq (q dtype), dk (fp32, to be completed by ``wy_bwd`` for delta rules),
+- ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None, dk_dtype=fp32)
+  -> (dq, dk, dw, dg)``: dq (q dtype), dk (fp32 by default, to be completed by ``wy_bwd`` for delta rules),
   dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32).
 - ``tile.tile(base, r0, c0, n_r, n_c, s_r, s_c, BR, BC) -> (pointers, mask)``: pointer tiles
   (Triton 3.9 removed block pointers).
