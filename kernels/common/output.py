@@ -26,8 +26,8 @@ from ttr.kernels.common.tile import chunk_gate, qk_rows, tile
 
 @triton.jit
 def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
-                      K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_G: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -59,8 +59,7 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
 
 @triton.jit
 def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
-                         K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_G: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
@@ -209,7 +208,7 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     NK = triton.cdiv(K, cfg["BK"])
     dq = q.new_empty(B, T, H, K)
     dk = q.new_empty(B, T, H, K, dtype=dk_dtype)
-    dw = torch.empty_like(k) if dv is not None else None
+    dw = q.new_empty(B, T, H, K) if dv is not None else None
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
     output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
         q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, HK=HK, K=K,

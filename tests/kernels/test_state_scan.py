@@ -167,6 +167,23 @@ def test_two_level_fp16():
                                                                        torch.float32, torch.float32, torch.float32)
 
 
+@pytest.mark.parametrize("two_level", [True, False])
+def test_grouped_qk_equals_repeated(two_level):
+    """q/k with HK = 2 heads shared by H / HK = 3 heads each (Mamba2's groups, read in place by
+    ``tile.qk_rows``) give what the same call with q/k repeated over the heads gives, on both paths."""
+    x, plan = make(1, 130, 6, 16, 12, "g")
+    grouped = dict(x, q=x["q"][:, :, ::3].contiguous(), k=x["k"][:, :, ::3].contiguous())
+    repeated = dict(x, q=grouped["q"].repeat_interleave(3, 2), k=grouped["k"].repeat_interleave(3, 2))
+    TUNING["state_fwd"] = TUNING["state_bwd"] = {"two_level": two_level}
+    try:
+        got, want = run(grouped, plan, "g", 0.5), run(repeated, plan, "g", 0.5)
+    finally:
+        TUNING.pop("state_fwd", None)
+        TUNING.pop("state_bwd", None)
+    for name, a, b in zip(["h", "final", "dh", "dh0", "dv2"], got, want):
+        assert a.shape == b.shape and rel_rms(a, b) < 1e-6, name
+
+
 def test_path_switch(monkeypatch):
     """Without w the two-level pass runs unless TUNING says two_level=False; with w never."""
     calls = []
