@@ -21,7 +21,8 @@ def _csv(kind):
     return parse
 
 
-def _override(text: str) -> tuple[str, object]:
+def parse_override(text: str) -> tuple[str, object]:
+    """``"KEY=VALUE"`` -> (key, value), the value parsed as JSON when it is JSON (numbers, null)."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--test-configs", type=parse_configs, default=TEST_CONFIGS, help=f"default {fmt(TEST_CONFIGS)}"
     )
     p.add_argument(
-        "--set", type=_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field"
+        "--set", type=parse_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (several fit on one GPU)")

@@ -48,6 +48,9 @@ def build_model(
         eos_token_id=None,
         pad_token_id=None,
     )
+    if mixer in ("attn", "swa"):
+        # the conv of "short conv, then the mixer" (attention layers have none by default)
+        fields["attn_short_conv"] = True
     if mixer == "mamba2":
         # keep Mamba2's head dim within the hidden width of small models
         fields["mamba_head_dim"] = min(64, 2 * d_model)

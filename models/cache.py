@@ -8,6 +8,7 @@ One dict per layer, written by the layer itself:
 * ``swa``: ``"k"``/``"v"`` ``[B, L, Hkv, D]`` with L <= window - 1, the keys a next query can
   still see (a rolling window; memory bounded by the window).
 * ``attn``: ``"k"``/``"v"`` grow by one position per generated token.
+* attention layers with ``attn_short_conv`` also keep ``"conv"`` (q, k, v conv states).
 
 Key/value caches keep padded positions (left padding in batched generation) so that they stay
 aligned with the 2-D ``attention_mask``; the attention layer masks them out. ``seen_tokens``

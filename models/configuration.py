@@ -21,7 +21,9 @@ named by ``layer_types[i]`` (see ``ttr.models.layers.LAYER_TYPES``) and, unless
   (GQA) of ``attn_head_dim``, rotary embeddings with base ``rope_theta`` (``None``: no position
   encoding, "NoPE", Kazemnejad et al. 2023, arXiv:2305.19466: order then comes only from the
   causal mask and any short conv, which lets content lookups run past the trained lengths);
-  ``swa`` attends to the last ``window_size`` tokens.
+  ``swa`` attends to the last ``window_size`` tokens; ``attn_short_conv`` puts a causal short conv
+  of width ``conv_size`` on their q, k and v (off by default, as in Transformer++; the MQAR
+  models turn it on).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class TTRConfig(PretrainedConfig):
         attn_num_kv_heads: int | None = None,
         attn_head_dim: int | None = None,
         window_size: int = 2048,
+        attn_short_conv: bool = False,
         rope_theta: float | None = 10000.0,
         max_position_embeddings: int = 2048,
         rms_norm_eps: float = 1e-6,
@@ -113,6 +116,7 @@ class TTRConfig(PretrainedConfig):
             else _div(hidden_size, self.attn_num_heads, "attn_num_heads")
         )
         self.window_size = window_size
+        self.attn_short_conv = attn_short_conv
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
@@ -183,7 +187,8 @@ class TTRConfig(PretrainedConfig):
                     f"expand_v must make head_dim * expand_v a positive integer, got {self.expand_v}"
                 )
             _head_dim("head_dim * expand_v", self.value_head_dim)
-        if (used & set(LINEAR_TYPES) or "mamba2" in used) and not 2 <= self.conv_size <= 4:
+        convs = used & set(LINEAR_TYPES) or "mamba2" in used or (used & set(ATTENTION_TYPES) and self.attn_short_conv)
+        if convs and not 2 <= self.conv_size <= 4:
             raise ValueError(f"conv_size must be in 2..4, got {self.conv_size}")
         if "gla" in used:
             _positive("gla_gate_low_rank_dim", self.gla_gate_low_rank_dim)

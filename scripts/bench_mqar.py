@@ -25,6 +25,7 @@ import torch
 
 from ttr.eval import mqar
 from ttr.eval import state_tracking as st
+from ttr.eval.cli import parse_override
 from ttr.eval.synthetic import run_jobs
 
 # (mixer, minimum mean accuracy) from the Zoology figure readings the issue asks for
@@ -33,6 +34,16 @@ MQAR_TARGETS = {"gated_deltanet": 0.99, "delta_net": 0.96, "gla": 0.77, "mamba2"
 # Mamba2 with a in (0, 1) / (-1, 1)
 PARITY_VARIANTS = tuple(label for label, _, _ in st.VARIANTS)
 NEGATIVE_EIGENVALUES = ("beta(0,2)", "a(-1,1)")  # the variants that must solve parity
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    """``"MIXER:KEY=VALUE,KEY=VALUE"`` -> (mixer, overrides); values parsed as JSON where they can be."""
+    mixer, _, fields = text.partition(":")
+    if mixer not in MQAR_TARGETS or not fields:
+        raise argparse.ArgumentTypeError(
+            f"--variant: expected MIXER:KEY=VALUE[,KEY=VALUE] with MIXER one of {sorted(MQAR_TARGETS)}, got {text!r}"
+        )
+    return mixer, dict(parse_override(item) for item in fields.split(","))
 
 
 def run(job: dict) -> dict:
@@ -58,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--attn-positions", default="rope",
         help="position encodings of the attention baselines, comma-separated: rope (rotary), nope (none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant", type=_variant, action="append", default=[], metavar="MIXER:KEY=VALUE[,KEY=VALUE]",
+        help="one more MQAR model: MIXER with these TTRConfig fields (repeatable), e.g. "
+        "gated_deltanet:head_dim=256,expand_v=0.5",
     )  # fmt: skip
     p.add_argument("--parity-lrs", default="3e-3")
     p.add_argument(
@@ -97,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         for overrides in (
             [positions[name] for name in args.attn_positions.split(",")] if mixer in ("attn", "swa") else [{}]
         )
+        for lr in map(float, args.mqar_lrs.split(","))
+    ] + [
+        mqar.make_job(
+            mixer, lr, d_model=args.d_model, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
+            steps=10**7, train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=budget,
+            overrides=overrides,
+        )  # fmt: skip
+        for mixer, overrides in args.variant
         for lr in map(float, args.mqar_lrs.split(","))
     ]
     parity_jobs = [

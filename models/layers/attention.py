@@ -9,6 +9,13 @@ sliding window (query t sees keys t-W+1 .. t) is the SWA of the Gated DeltaNet h
 Prefill and training run ``ttr.kernels.attention`` (padded rows are packed into ``cu_seqlens``
 so padding is never attended); once a cache holds keys, the few new queries attend to the cached
 keys in torch. The SWA cache keeps only the last W-1 keys (memory bounded by the window).
+
+With ``attn_short_conv`` q, k and v each pass a causal depthwise short conv (width
+``conv_size``, SiLU) after their projections, before rotary: the depthwise convolutions of
+Primer's multi-dconv-head attention (So et al. 2021, arXiv:2109.08668) and the conv that
+Zoology's MQAR models put before attention (Arora et al. 2023, arXiv:2312.04927). A key then
+carries its predecessor token, so content lookups such as associative recall need no position
+encoding; the conv states live in the cache next to the keys.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..modules import apply_rotary
+from ..modules import ShortConv, apply_rotary, run_short_convs
 
 
 def attend_with_cache(q, k, v, key_valid, window: int | None, scale: float) -> torch.Tensor:
@@ -64,6 +71,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.o_proj._residual_out = True
+        widths = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        self.convs = (
+            nn.ModuleList(ShortConv(n, config.conv_size) for n in widths) if config.attn_short_conv else None
+        )
 
     def _kernel(self, q, k, v, mask, cu_seqlens):
         if mask is None or bool(mask.all()):
@@ -82,13 +93,19 @@ class Attention(nn.Module):
 
     def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        layer_cache = cache[self.layer_idx] if cache is not None else None
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = run_short_convs(
+                list(self.convs), [q, k, v], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
+                decoding=layer_cache is not None and t == 1,
+            )
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.config.rope_theta is not None:
             q = apply_rotary(q, position_ids, self.config.rope_theta)
             k = apply_rotary(k, position_ids, self.config.rope_theta)
-        layer_cache = cache[self.layer_idx] if cache is not None else None
         if layer_cache is not None and "k" in layer_cache:
             k = torch.cat([layer_cache["k"], k], dim=1)
             v = torch.cat([layer_cache["v"], v], dim=1)

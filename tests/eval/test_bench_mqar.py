@@ -57,3 +57,21 @@ def test_bench_mqar_attention_positions_and_parity_subset(tmp_path):
     assert {r["label"] for r in results if r["kind"] == "mqar"} == {"attn d=16", "attn d=16 rope_theta=None"}
     assert {r["label"] for r in results if r["kind"] == "state"} == {"delta_net beta(0,2)", "mamba2 a(-1,1)"}
     assert all("config_mean" in r for r in results if r["kind"] == "mqar")
+
+
+def test_bench_mqar_variant_adds_a_model(tmp_path, capsys):
+    """--variant MIXER:KEY=VALUE,... adds a model with those config fields (here a wider key head
+    at a narrower value head); a malformed one is an error naming --variant."""
+    import pytest
+
+    out = tmp_path / "recall"
+    args = tiny_args(out) + ["--only", "mqar", "--variant", "delta_net:head_dim=32,expand_v=0.25"]
+    assert bench_mqar.main(args) == 0
+    results = {r["label"]: r for r in json.loads((out / "recall.json").read_text())}
+    assert set(results) == {"attn d=16", "delta_net d=16 expand_v=0.25 head_dim=32"}
+    # two layers of one 32 x 8 state
+    assert results["delta_net d=16 expand_v=0.25 head_dim=32"]["state_size"] == 2 * 32 * 8
+    for bad in ("lstm:head_dim=8", "delta_net", "delta_net:head_dim"):
+        with pytest.raises(SystemExit):
+            bench_mqar.main(tiny_args(out) + ["--variant", bad])
+        assert "--variant" in capsys.readouterr().err

@@ -309,6 +309,38 @@ def test_attention_without_rotary():
     assert rel_err(nope(ids, use_cache=False).logits, rope(ids, use_cache=False).logits) > 1e-3
 
 
+@pytest.mark.parametrize("rope_theta", [None, 1e4])
+@torch.no_grad()
+def test_attention_short_conv(rope_theta):
+    """``attn_short_conv``: q/k/v convs in attention layers (the MQAR models' conv + attention).
+    Decoding from the cache (conv states included), packed documents and left padding all give
+    the logits of the plain forward; and the convs take effect."""
+    torch.manual_seed(0)
+    cfg = TTRConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, layer_types=["attn", "swa"], num_heads=2,
+        attn_num_kv_heads=1, intermediate_size=0, window_size=WINDOW, rope_theta=rope_theta,
+        attn_short_conv=True, conv_size=3,
+    )  # fmt: skip
+    model = TTRForCausalLM(cfg).eval()
+    mixer = model.model.layers[0].mixer
+    assert [c.weight.shape for c in mixer.convs] == [(32, 3), (16, 3), (16, 3)]
+    ids = torch.randint(0, VOCAB, (2, 9))
+    full = model(ids, use_cache=False).logits
+    for prefill in (1, 4):
+        assert rel_err(decode_stepwise(model, ids, prefill), full) < 1e-5
+    docs = [ids[:1, :4], ids[1:, :5]]
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    separate = torch.cat([model(d, use_cache=False).logits for d in docs], 1)
+    assert rel_err(model(torch.cat(docs, 1), cu_seqlens=cu).logits, separate) < 1e-5
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:1]], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], 1)
+    assert rel_err(model(padded, attention_mask=mask, use_cache=False).logits[:, 3:], full[:1]) < 1e-5
+    assert rel_err(decode_stepwise(model, padded, 5, mask)[:, 3:], full[:1]) < 1e-5
+    plain = TTRForCausalLM(TTRConfig(**{**cfg.to_dict(), "attn_short_conv": False})).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    assert rel_err(plain(ids, use_cache=False).logits, full) > 1e-3
+
+
 def test_unknown_preset_and_bad_inputs():
     with pytest.raises(ValueError, match="preset"):
         get_preset("gated_deltanet-7b")
