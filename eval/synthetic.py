@@ -49,8 +49,11 @@ def build_model(
         pad_token_id=None,
     )
     if mixer in ("attn", "swa"):
-        # the conv of "short conv, then the mixer" (attention layers have none by default)
+        # the conv of "short conv, then the mixer" (attention layers have none by default), and no
+        # position encoding, as Zoology's attention baselines (max_position_embeddings=0): the conv
+        # gives order, and lookups by content then hold at lengths beyond training (RoPE does not)
         fields["attn_short_conv"] = True
+        fields["rope_theta"] = None
     if mixer == "mamba2":
         # keep Mamba2's head dim within the hidden width of small models
         fields["mamba_head_dim"] = min(64, 2 * d_model)

@@ -10,6 +10,7 @@ the run goes on.
 
     python -m ttr.scripts.bench_attention                # the issue's table
     python -m ttr.scripts.bench_attention --seqlens 4096 --window 1024 --reps 10
+    python -m ttr.scripts.bench_attention --configs      # each autotune candidate of each kernel alone
 """
 
 from __future__ import annotations
@@ -35,7 +36,59 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--configs", action="store_true",
+                   help="time each autotune config of the forward, dK/dV and dQ kernels alone (window rows)")
     return p.parse_args(argv)
+
+
+def time_configs(args, dtype) -> None:
+    """Every autotune candidate of the three attention kernels, launched alone with that config on
+    the sliding-window rows (one sequence length per ``--seqlens``): which config wins and by how much."""
+    import triton
+
+    from ttr.kernels.attention import flash
+
+    h, d = args.heads, args.head_dim
+    wide = triton.next_power_of_2(d) > 128
+    kernels = [
+        ("fwd", flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
+        ("dkdv", flash.attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS_WIDE if wide else flash.DKDV_CONFIGS),
+        ("dq", flash.attn_bwd_dq_kernel, flash.DQ_CONFIGS_WIDE if wide else flash.DQ_CONFIGS),
+    ]
+    print("| T | B | kernel | BM | BN | warps | stages | ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in args.seqlens:
+        b = max(1, args.tokens // t)
+        q, k, v, do = (torch.randn(b * t, h, d, device="cuda", dtype=dtype) for _ in range(4))
+        cu = torch.arange(0, (b + 1) * t, t, device="cuda", dtype=torch.int32)
+        win, scale = min(args.window, t), d**-0.5
+        o, lse = flash.attention_fwd(q, k, v, cu, t, win, scale)
+        delta = (o.float() * do.float()).sum(-1).t().contiguous()
+        consts = dict(HQ=h, G=1, D=d, BD=triton.next_power_of_2(d), GH=flash.GROUP_HEADS)
+        for name, kernel, configs in kernels:
+            for c in configs:
+                bm, bn = c.kwargs["BM"], c.kwargs["BN"]
+                if name == "fwd":
+                    grid, xs = triton.cdiv(t, bm), (q, k, v, torch.empty_like(q), torch.empty_like(lse))
+                    tail = (cu, b * t, win, scale * flash.LOG2E)
+                elif name == "dkdv":
+                    grid, xs = triton.cdiv(t, bn), (q, k, v, do, lse, delta, torch.empty_like(q), torch.empty_like(q))
+                    tail = (cu, b * t, win, scale * flash.LOG2E, scale)
+                else:
+                    grid, xs = triton.cdiv(t, bm), (q, k, v, do, lse, delta, torch.empty_like(q))
+                    tail = (cu, b * t, win, scale * flash.LOG2E, scale)
+
+                # the jitted kernel under its autotuner (the bare kernel under the interpreter)
+                base = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+
+                def launch(base=base, grid=grid * b * h, xs=xs, tail=(*tail, b * h), consts=consts, c=c):
+                    base[(grid,)](*xs, *tail, **consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+
+                try:
+                    ms = f"{time_ms(launch, args.reps, args.warmup):.3f}"
+                except Exception as err:  # a config that does not fit this GPU
+                    ms = f"error: {type(err).__name__}"
+                print(f"| {t} | {b} | {name} | {bm} | {bn} | {c.num_warps} | {c.num_stages} | {ms} |", flush=True)
 
 
 def measure(forward, inputs, reps, warmup):
@@ -116,6 +169,9 @@ def main(argv=None) -> int:
     import triton
 
     dtype = getattr(torch, args.dtype)
+    if args.configs:
+        time_configs(args, dtype)
+        return 0
     h, d = args.heads, args.head_dim
     scale = d**-0.5
     print(f"# attention: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "

@@ -10,7 +10,8 @@ pre-scaled scores ``c log2(e) q.k``, so the backward recomputes ``P = exp2(S' - 
 
 Tiling: one program per (query block, q head, sequence) in the forward and in the dQ kernel, one
 per (key block, k/v head, sequence) in the dK/dV kernel, which loops over the ``Hq / Hkv`` query
-heads of its group so grouped-query attention needs no atomics. Only the blocks that intersect
+heads of its group so grouped-query attention needs no atomics. The grids are 1-D, longest
+blocks first within groups of 16 heads (``_program``). Only the blocks that intersect
 the band are visited, so cost is O(T W) for a window. The visited range splits into blocks cut by
 the band's edges (masked) and blocks wholly inside it (no mask work); see ``_block_ranges``.
 Packed sequences: every tensor is viewed as ``[T_total, H, D]`` and each program reads its
@@ -38,27 +39,29 @@ LOG2E = math.log2(math.e)
 FWD_CONFIGS = [
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3),
     triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
 ]
 FWD_CONFIGS_WIDE = [
     triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
     triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=2),
 ]
+# H200, bf16, H = 16, D = 128, each config timed alone (`ttr.scripts.bench_attention --configs`,
+# docs/benchmarks.md, session 7): dK/dV (64, 128, 8 warps, 3 stages) 0.833 ms at T = 2048 against 0.879 - 1.446 for
+# the others; dQ (128, 64, 8, 3) 0.443 ms; the forward (128, 64, 8, 3) 0.395 ms.
 DKDV_CONFIGS = [
-    triton.Config({"BM": 32, "BN": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 16, "BN": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 64, "BN": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=4),
     triton.Config({"BM": 32, "BN": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BM": 32, "BN": 128}, num_warps=8, num_stages=3),
 ]
 DKDV_CONFIGS_WIDE = [
     triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=3),
     triton.Config({"BM": 16, "BN": 32}, num_warps=8, num_stages=2),
 ]
 DQ_CONFIGS = [
-    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=2),
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
     triton.Config({"BM": 64, "BN": 32}, num_warps=4, num_stages=3),
 ]
 DQ_CONFIGS_WIDE = [
@@ -86,6 +89,27 @@ def _autotune(configs, wide_configs):
                                prune_configs_by={"early_config_prune": prune})(fn)
 
     return wrap
+
+
+# Programs are ordered in groups of GROUP_HEADS (sequence, head) rows, longest blocks first within
+# a group: a causal block row's work grows with its position, so a grid ordered row by row ends
+# with a tail of long programs (+7 % over the ideal makespan in a list-scheduling simulation of
+# 128 heads x 16 blocks on 132 SMs; groups of 16: +1.7 %), while the K/V of the 16 rows in flight
+# stay in L2 (16 MiB at T = 2048, D = 128, bf16).
+GROUP_HEADS = 16
+
+
+@triton.jit
+def _program(NH, GH: tl.constexpr):
+    """(rank, row) of this program in the 1-D grid of ``NB * NH`` programs: ``row`` indexes the
+    NH (sequence, head) rows, ``rank`` 0 is the row's longest block. Rows go in groups of GH and
+    each group's programs in rank order, so every group starts with its longest blocks."""
+    pid = tl.program_id(0)
+    nb = tl.num_programs(0) // NH
+    grp = pid // (GH * nb)
+    r = pid - grp * (GH * nb)
+    gh = tl.minimum(GH, NH - grp * GH)
+    return r // gh, grp * GH + r % gh
 
 
 @triton.jit
@@ -138,11 +162,11 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, strid
 
 @_autotune(FWD_CONFIGS, FWD_CONFIGS_WIDE)
 @triton.jit
-def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale,
+def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale, NH,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first (causal load balance)
-    i_nh = tl.program_id(1)
+                    BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
+    rank, i_nh = _program(NH, GH)
+    i_m = tl.num_programs(0) // NH - 1 - rank  # the last query block sees the most keys
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_hk = i_hq // G
     bos = tl.load(cu_seqlens + i_n).to(tl.int32)
@@ -235,11 +259,10 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
 
 @_autotune(DKDV_CONFIGS, DKDV_CONFIGS_WIDE)
 @triton.jit
-def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W, qk_scale, scale,
+def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W, qk_scale, scale, NH,
                          HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr):
-    i_j = tl.program_id(0)
-    i_nh = tl.program_id(1)
+                         BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
+    i_j, i_nh = _program(NH, GH)  # the first key block is seen by the most queries
     HK = HQ // G
     i_n, i_hk = i_nh // HK, i_nh % HK
     bos = tl.load(cu_seqlens + i_n).to(tl.int32)
@@ -310,11 +333,11 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L
 
 @_autotune(DQ_CONFIGS, DQ_CONFIGS_WIDE)
 @triton.jit
-def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_scale, scale,
+def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_scale, scale, NH,
                        HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_nh = tl.program_id(1)
+                       BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
+    rank, i_nh = _program(NH, GH)
+    i_m = tl.num_programs(0) // NH - 1 - rank
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_hk = i_hq // G
     bos = tl.load(cu_seqlens + i_n).to(tl.int32)
@@ -365,9 +388,9 @@ def attention_fwd(q, k, v, cu_seqlens, max_len, window, scale):
     n = cu_seqlens.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty(hq, t_total, device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(max_len, meta["BM"]), n * hq)
-    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, window, scale * LOG2E,
-            HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d))
+    grid = lambda meta: (triton.cdiv(max_len, meta["BM"]) * n * hq,)
+    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, window, scale * LOG2E, n * hq,
+            HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS)
     return o, lse
 
 
@@ -380,13 +403,13 @@ def attention_bwd(q, k, v, o, lse, do, cu_seqlens, max_len, window, scale):
     bt = max(16, 4096 // bd)
     attn_bwd_delta_kernel[(triton.cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    consts = {"HQ": hq, "G": hq // hkv, "D": d, "BD": bd}
-    grid_kv = lambda meta: (triton.cdiv(max_len, meta["BN"]), n * hkv)
+    consts = {"HQ": hq, "G": hq // hkv, "D": d, "BD": bd, "GH": GROUP_HEADS}
+    grid_kv = lambda meta: (triton.cdiv(max_len, meta["BN"]) * n * hkv,)
     _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu_seqlens, t_total,
-            window, scale * LOG2E, scale, **consts)
-    grid_q = lambda meta: (triton.cdiv(max_len, meta["BM"]), n * hq)
+            window, scale * LOG2E, scale, n * hkv, **consts)
+    grid_q = lambda meta: (triton.cdiv(max_len, meta["BM"]) * n * hq,)
     _launch(attn_bwd_dq_kernel, "dq", grid_q, q, k, v, do, lse, delta, dq, cu_seqlens, t_total,
-            window, scale * LOG2E, scale, **consts)
+            window, scale * LOG2E, scale, n * hq, **consts)
     return dq, dk, dv
 
 

@@ -48,13 +48,14 @@ def test_bench_mqar_records_a_failed_job(tmp_path, monkeypatch):
 
 
 def test_bench_mqar_attention_positions_and_parity_subset(tmp_path):
-    """--attn-positions rope,nope gives one attention model of each; --parity-variants picks
+    """--attn-positions rope,nope gives one attention model of each (NoPE is the default, unlabelled);
+    --parity-variants picks
     variants whose names hold commas."""
     out = tmp_path / "recall"
     args = tiny_args(out) + ["--attn-positions", "rope,nope", "--parity-variants", "delta_net beta(0,2),mamba2 a(-1,1)"]
     assert bench_mqar.main(args) == 0
     results = json.loads((out / "recall.json").read_text())
-    assert {r["label"] for r in results if r["kind"] == "mqar"} == {"attn d=16", "attn d=16 rope_theta=None"}
+    assert {r["label"] for r in results if r["kind"] == "mqar"} == {"attn d=16", "attn d=16 rope_theta=10000.0"}
     assert {r["label"] for r in results if r["kind"] == "state"} == {"delta_net beta(0,2)", "mamba2 a(-1,1)"}
     assert all("config_mean" in r for r in results if r["kind"] == "mqar")
 
@@ -71,6 +72,14 @@ def test_bench_mqar_variant_adds_a_model(tmp_path, capsys):
     assert set(results) == {"attn d=16", "delta_net d=16 expand_v=0.25 head_dim=32"}
     # two layers of one 32 x 8 state
     assert results["delta_net d=16 expand_v=0.25 head_dim=32"]["state_size"] == 2 * 32 * 8
+    # without --variant the default ones of the mixers that run; "none" runs none
+    args = tiny_args(out) + ["--only", "mqar", "--mixers", "attn,delta_net", "--max-minutes", "0.001"]
+    assert bench_mqar.main(args) == 0
+    labels = {r["label"] for r in json.loads((out / "recall.json").read_text())}
+    assert labels == {"attn d=16", "delta_net d=16", "delta_net d=16 expand_v=0.5 head_dim=256"}
+    assert bench_mqar.main(args + ["--variant", "none"]) == 0
+    labels = {r["label"] for r in json.loads((out / "recall.json").read_text())}
+    assert labels == {"attn d=16", "delta_net d=16"}
     for bad in ("lstm:head_dim=8", "delta_net", "delta_net:head_dim"):
         with pytest.raises(SystemExit):
             bench_mqar.main(tiny_args(out) + ["--variant", bad])

@@ -48,3 +48,13 @@ def test_run_jobs_in_processes_keeps_order():
     assert run_jobs(len, jobs, 2) == [1, 2, 0]
     with pytest.raises(ValueError, match="workers"):
         run_jobs(len, jobs, 0)
+
+
+def test_attention_models_follow_the_zoology_shape():
+    """MQAR's attention blocks: a short conv on q/k/v, no position encoding (unless overridden),
+    no MLP; the linear mixers keep their own convs."""
+    model = build_model("attn", vocab_size=16, d_model=16, context=32)
+    assert model.config.attn_short_conv and model.config.rope_theta is None
+    assert model.model.layers[0].mixer.convs is not None and model.model.layers[0].mlp is None
+    assert build_model("swa", vocab_size=16, d_model=16, rope_theta=1e4).config.rope_theta == 1e4
+    assert not build_model("delta_net", vocab_size=16, d_model=16).config.attn_short_conv

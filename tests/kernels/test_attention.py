@@ -66,6 +66,17 @@ def test_triton_head_dims_and_groups(triton_backend, d, hq, hkv, window):
     check_against_oracles(*make_inputs(1, 65, hq, hkv, d), window=window)
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_triton_rows_beyond_one_program_group(triton_backend, window):
+    """More (sequence, head) rows than ``flash.GROUP_HEADS`` with a partial last group (36 query
+    rows, 18 key/value rows): every program still maps to one (row, block)."""
+    from ttr.kernels.attention import flash
+
+    rows_q, rows_kv = 3 * 12, 3 * 6
+    assert rows_kv > flash.GROUP_HEADS and rows_q % flash.GROUP_HEADS and rows_kv % flash.GROUP_HEADS
+    check_against_oracles(*make_inputs(3, 65, 12, 6, 16), window=window)
+
+
 @pytest.mark.parametrize(
     "lengths,window",
     [([1, 63, 64, 130], None), ([130, 0, 1, 64, 63], 16), ([64, 1, 130, 63], 64), ([63, 1, 64], 1)],
@@ -196,7 +207,7 @@ def test_configs_fit_hopper_shared_memory(d):
         pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 (no GPU needed)")
     p = "*bf16"
     sig = {"q": p, "k": p, "v": p, "o": p, "do": p, "dq": p, "dk": p, "dv": p, "lse": "*fp32", "delta": "*fp32",
-           "cu_seqlens": "*i32", "T_total": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32"}
+           "cu_seqlens": "*i32", "T_total": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32", "NH": "i32"}
     wide = d > 128
     kernels = [
         (flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
@@ -206,7 +217,7 @@ def test_configs_fit_hopper_shared_memory(d):
     for kernel, configs in kernels:
         fn = kernel.fn
         for config in configs:
-            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, **config.kwargs}
+            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, "GH": flash.GROUP_HEADS, **config.kwargs}
             signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
             src = ASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
