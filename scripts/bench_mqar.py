@@ -1,7 +1,9 @@
 """The recall and state-tracking targets in one time-bounded GPU run.
 
 MQAR (Zoology protocol, d_model 128, 2 layers, no MLP) for Gated DeltaNet, DeltaNet, GLA, Mamba2
-and attention, each at a few learning rates; parity for DeltaNet / Gated DeltaNet with beta in
+and attention (conv, no position encoding; ``--attn-positions rope`` adds RoPE), plus the delta
+rules at Mamba2's state size (``DEFAULT_VARIANTS``, or ``--variant``), each at a few learning
+rates; parity for DeltaNet / Gated DeltaNet with beta in
 (0, 1) and (0, 2) and for Mamba2 with a in (0, 1) and (-1, 1). Every job trains for ``--max-minutes`` (the lr schedule follows
 the clock, see ``ttr.eval.synthetic.train``) in one of ``--jobs`` processes sharing the GPU(s),
 so the whole run takes about ``max_minutes`` plus start-up and evaluation.
@@ -119,24 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.attn_positions.split(",")) - set(positions))
     if unknown:
         p.error(f"--attn-positions: unknown {unknown}; expected some of {sorted(positions)}")
+    models = [
+        (mixer, overrides)
+        for mixer in mixers
+        for overrides in (
+            [positions[name] for name in args.attn_positions.split(",")] if mixer in ("attn", "swa") else [{}]
+        )
+    ] + extra_models
     mqar_jobs = [
         mqar.make_job(
             mixer, lr, d_model=args.d_model, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
             steps=10**7, train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=budget,
             overrides=overrides,
         )  # fmt: skip
-        for mixer in mixers
-        for overrides in (
-            [positions[name] for name in args.attn_positions.split(",")] if mixer in ("attn", "swa") else [{}]
-        )
-        for lr in map(float, args.mqar_lrs.split(","))
-    ] + [
-        mqar.make_job(
-            mixer, lr, d_model=args.d_model, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
-            steps=10**7, train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=budget,
-            overrides=overrides,
-        )  # fmt: skip
-        for mixer, overrides in extra_models
+        for mixer, overrides in models
         for lr in map(float, args.mqar_lrs.split(","))
     ]
     parity_jobs = [
