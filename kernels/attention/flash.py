@@ -46,8 +46,8 @@ FWD_CONFIGS_WIDE = [
     triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=2),
 ]
 # H200, bf16, H = 16, D = 128, each config timed alone (`ttr.scripts.bench_attention --configs`,
-# docs/benchmarks.md, session 7): dK/dV (64, 128, 8 warps, 3 stages) 0.833 ms at T = 2048 against 0.879 - 1.446 for
-# the others; dQ (128, 64, 8, 3) 0.443 ms; the forward (128, 64, 8, 3) 0.395 ms.
+# docs/benchmarks.md, session 7): dK/dV (64, 128, 8 warps, 3 stages) 0.833 ms at T = 2048
+# against 0.879 - 1.446 for the others; dQ (128, 64, 8, 3) 0.443 ms; forward (128, 64, 8, 3) 0.395.
 DKDV_CONFIGS = [
     triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=3),
     triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=4),
