@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.tile import chunk_span
 
 SUB_CHUNK = 16
 # Largest gate span within a sub-chunk (``max_d G_first,d - G_last,d``) whose diagonal block is one
@@ -83,8 +84,7 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
                               SAFE_SPAN: tl.constexpr):
     """One program: the rows of sub-chunk ``i_i`` of one chunk and head, all ``BT`` columns."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     t0 = bos + i_c * BT
     s_i = t0 + i_i * BC
     if s_i >= eos:
@@ -142,8 +142,7 @@ def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scal
                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr):
     i_t, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos
     o_v = i_v * BV + tl.arange(0, BV)
@@ -170,8 +169,7 @@ def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scal
 def vector_gate_dv_kernel(A, do, dv, cu_seqlens, chunk_indices, H: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BV: tl.constexpr):
     i_t, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos
     o_v = i_v * BV + tl.arange(0, BV)
@@ -186,8 +184,7 @@ def vector_gate_dv_kernel(A, do, dv, cu_seqlens, chunk_indices, H: tl.constexpr,
 def vector_gate_dA_kernel(v, do, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BV: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_c = tl.arange(0, BT)
     o_t = bos + i_c * BT + o_c
     m_t = o_t < eos
@@ -208,8 +205,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
                                  SAFE_SPAN: tl.constexpr):
     """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     t0 = bos + i_c * BT
     s_i = t0 + i_i * BC
     if s_i >= eos:
@@ -288,8 +284,7 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
                                 chunk_indices, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos
     last = tl.minimum(bos + i_c * BT + BT, eos) - 1

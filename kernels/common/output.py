@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import chunk_gate, qk_rows, tile
+from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
 @triton.jit
@@ -29,8 +29,7 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_G: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -62,8 +61,7 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_G: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
@@ -88,8 +86,7 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
                           H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T

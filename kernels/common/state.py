@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import chunk_gate, qk_rows, tile
+from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
 @triton.jit
@@ -254,8 +254,7 @@ def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl
     ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g))."""
     i_kv, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     b_x = _load_half(qk_rows(x, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
     b_x = _gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
@@ -308,8 +307,7 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
                     USE_GK: tl.constexpr):
     """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known)."""
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
     p_dh = dh + (i_t.to(tl.int64) * H + i_h) * K * V

@@ -17,6 +17,15 @@ def tile(base, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def chunk_span(chunk_indices, cu_seqlens, i_t):
+    """Global chunk ``i_t``'s sequence ``i_n``, chunk index ``i_c`` within it, and the sequence's token
+    bounds ``bos``, ``eos`` (int64) in the flattened ``[B*T]`` axis (see ``index.ChunkPlan``)."""
+    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_n, i_c, bos, eos
+
+
+@triton.jit
 def chunk_gate(g, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     """The chunk's cumulative scalar gate ``g[t0 + i]`` (``[BT]``, fp32), padded rows (``i >=
     n_valid``) set to the last valid row's value. A padded row must not read 0: under strong decay

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, tuned
-from ttr.kernels.common.tile import chunk_gate, tile
+from ttr.kernels.common.tile import chunk_gate, chunk_span, tile
 
 
 @triton.jit
@@ -73,8 +73,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                   REUSE_AI: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     g0 = bos + i_c * BT
     n_valid = T - i_c * BT
@@ -147,8 +146,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     g0 = bos + i_c * BT
     o_i = tl.arange(0, BT)
