@@ -37,13 +37,14 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", action="store_true",
-                   help="time each autotune config of the forward, dK/dV and dQ kernels alone (window rows)")
+                   help="time each autotune config of the forward and backward kernels alone (window rows)")
     return p.parse_args(argv)
 
 
 def time_configs(args, dtype) -> None:
-    """Every autotune candidate of the three attention kernels, launched alone with that config on
-    the sliding-window rows (one sequence length per ``--seqlens``): which config wins and by how much."""
+    """Every autotune candidate of the two attention kernels (forward; backward = dK/dV and dQ
+    programs in one launch), launched alone with that config on the sliding-window rows (one
+    sequence length per ``--seqlens``): which config wins and by how much."""
     import triton
 
     from ttr.kernels.attention import flash
@@ -52,43 +53,42 @@ def time_configs(args, dtype) -> None:
     wide = triton.next_power_of_2(d) > 128
     kernels = [
         ("fwd", flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
-        ("dkdv", flash.attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS_WIDE if wide else flash.DKDV_CONFIGS),
-        ("dq", flash.attn_bwd_dq_kernel, flash.DQ_CONFIGS_WIDE if wide else flash.DQ_CONFIGS),
+        ("bwd", flash.attn_bwd_kernel, flash.BWD_CONFIGS_WIDE if wide else flash.BWD_CONFIGS),
     ]
-    print("| T | B | kernel | BM | BN | warps | stages | ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | B | kernel | tiles | warps | stages | ms |")
+    print("|---|---|---|---|---|---|---|")
     for t in args.seqlens:
         b = max(1, args.tokens // t)
         q, k, v, do = (torch.randn(b * t, h, d, device="cuda", dtype=dtype) for _ in range(4))
-        cu = torch.arange(0, (b + 1) * t, t, device="cuda", dtype=torch.int32)
         win, scale = min(args.window, t), d**-0.5
-        o, lse = flash.attention_fwd(q, k, v, cu, t, win, scale)
+        o, lse = flash.attention_fwd(q, k, v, None, b, t, win, scale)
         delta = (o.float() * do.float()).sum(-1).t().contiguous()
-        consts = dict(HQ=h, G=1, D=d, BD=triton.next_power_of_2(d), GH=flash.GROUP_HEADS)
+        consts = dict(HQ=h, G=1, D=d, BD=triton.next_power_of_2(d), GH=flash.GROUP_HEADS, VARLEN=False)
         for name, kernel, configs in kernels:
             for c in configs:
-                bm, bn = c.kwargs["BM"], c.kwargs["BN"]
+                m = c.kwargs
                 if name == "fwd":
-                    grid, xs = triton.cdiv(t, bm), (q, k, v, torch.empty_like(q), torch.empty_like(lse))
-                    tail = (cu, b * t, win, scale * flash.LOG2E)
-                elif name == "dkdv":
-                    grid, xs = triton.cdiv(t, bn), (q, k, v, do, lse, delta, torch.empty_like(q), torch.empty_like(q))
-                    tail = (cu, b * t, win, scale * flash.LOG2E, scale)
+                    grid = triton.cdiv(t, m["BM"]) * b * h
+                    xs = (q, k, v, torch.empty_like(q), torch.empty_like(lse), None, b * t, t, win, scale * flash.LOG2E,
+                          b * h)
+                    tiles = f"{m['BM']} x {m['BN']}"
                 else:
-                    grid, xs = triton.cdiv(t, bm), (q, k, v, do, lse, delta, torch.empty_like(q))
-                    tail = (cu, b * t, win, scale * flash.LOG2E, scale)
+                    grid = (triton.cdiv(t, m["BN1"]) + triton.cdiv(t, m["BM2"])) * b * h
+                    xs = (q, k, v, do, lse, delta, *(torch.empty_like(q) for _ in range(3)), None, b * t, t, win,
+                          scale * flash.LOG2E, scale, b)
+                    tiles = f"dK/dV {m['BM1']} x {m['BN1']}, dQ {m['BM2']} x {m['BN2']}"
 
                 # the jitted kernel under its autotuner (the bare kernel under the interpreter)
                 base = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
 
-                def launch(base=base, grid=grid * b * h, xs=xs, tail=(*tail, b * h), consts=consts, c=c):
-                    base[(grid,)](*xs, *tail, **consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+                def launch(base=base, grid=grid, xs=xs, consts=consts, c=c):
+                    base[(grid,)](*xs, **consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
 
                 try:
                     ms = f"{time_ms(launch, args.reps, args.warmup):.3f}"
                 except Exception as err:  # a config that does not fit this GPU
                     ms = f"error: {type(err).__name__}"
-                print(f"| {t} | {b} | {name} | {bm} | {bn} | {c.num_warps} | {c.num_stages} | {ms} |", flush=True)
+                print(f"| {t} | {b} | {name} | {tiles} | {c.num_warps} | {c.num_stages} | {ms} |", flush=True)
 
 
 def measure(forward, inputs, reps, warmup):

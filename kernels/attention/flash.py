@@ -8,14 +8,15 @@ pre-scaled scores ``c log2(e) q.k``, so the backward recomputes ``P = exp2(S' - 
 ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)``,
 ``dQ = c dS K``, ``dK = c dS^T Q``. Nothing of size T x T is ever stored.
 
-Tiling: one program per (query block, q head, sequence) in the forward and in the dQ kernel, one
-per (key block, k/v head, sequence) in the dK/dV kernel, which loops over the ``Hq / Hkv`` query
-heads of its group so grouped-query attention needs no atomics. The grids are 1-D, longest
-blocks first within groups of 16 heads (``_program``). Only the blocks that intersect
+Tiling: one program per (query block, q head, sequence) in the forward and for dQ, one per
+(key block, k/v head, sequence) for dK/dV, which loops over the ``Hq / Hkv`` query heads of its
+group so grouped-query attention needs no atomics. The backward is one launch: its dK/dV
+programs come first and its dQ programs fill the SMs their tail leaves idle. The grids are 1-D,
+longest blocks first within groups of 16 heads (``_program``). Only the blocks that intersect
 the band are visited, so cost is O(T W) for a window. The visited range splits into blocks cut by
 the band's edges (masked) and blocks wholly inside it (no mask work); see ``_block_ranges``.
 Packed sequences: every tensor is viewed as ``[T_total, H, D]`` and each program reads its
-sequence bounds from ``cu_seqlens`` (plain batches use ``cu_seqlens = [0, T, 2T, ...]``).
+sequence bounds from ``cu_seqlens``; a plain batch passes none (``VARLEN`` off, bounds ``i T``).
 Head dims up to 256: the block dim ``BD`` is the next power of two and the rest is masked.
 """
 
@@ -33,9 +34,9 @@ from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 LOG2E = math.log2(math.e)
 
 # Autotune spaces stay small (device minutes cost), keyed on the block head dim. Every config
-# below compiles for sm_90 (Triton 3.9, bf16) within shared memory and without register spills
-# (checked with cuobjdump -res-usage, except 16 bytes for fwd 128 x 128); above a head dim of 128
-# the tiles shrink so the fp32 accumulators ([BM or BN, 256]) still fit the register file.
+# below compiles for sm_90 (Triton 3.6, bf16) within shared memory, spills at most 56 bytes and
+# has no serialised wgmma (ptxas -v, C7515); above a head dim of 128 the tiles shrink so the fp32
+# accumulators ([BM or BN, 256]) still fit the register file.
 FWD_CONFIGS = [
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
     triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=4),
@@ -45,32 +46,23 @@ FWD_CONFIGS_WIDE = [
     triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
     triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=2),
 ]
-# H200, bf16, H = 16, D = 128, each config timed alone (`ttr.scripts.bench_attention --configs`,
-# docs/benchmarks.md, session 7): dK/dV (64, 128, 8 warps, 3 stages) 0.833 ms at T = 2048
-# against 0.879 - 1.446 for the others; dQ (128, 64, 8, 3) 0.443 ms; forward (128, 64, 8, 3) 0.395.
-DKDV_CONFIGS = [
-    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 64, "BN": 128}, num_warps=8, num_stages=4),
-    triton.Config({"BM": 32, "BN": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BM": 32, "BN": 128}, num_warps=8, num_stages=3),
+# H200, bf16, H = 16, D = 128, T = 2048, each config timed alone (docs/benchmarks.md): forward
+# (128, 64, 8 warps, 3 stages) 0.395 ms (session 7). The backward is one launch of dK/dV programs
+# (tiles BM1 x BN1) followed by dQ programs (BM2 x BN2), so a config pairs tiles that share warps
+# and stages (session 8): (32, 64 | 64, 32, 4 warps, 3 stages) 1.020 ms, (32, 128 | 128, 64, 8, 3)
+# 1.113; (64, 128 | 128, 64, 8, 3), the best pair of session 7, spills (1.245) and is dropped.
+BWD_CONFIGS = [
+    triton.Config({"BM1": 32, "BN1": 64, "BM2": 64, "BN2": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BM1": 32, "BN1": 128, "BM2": 128, "BN2": 64}, num_warps=8, num_stages=3),
 ]
-DKDV_CONFIGS_WIDE = [
-    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 16, "BN": 32}, num_warps=8, num_stages=2),
-]
-DQ_CONFIGS = [
-    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BM": 64, "BN": 32}, num_warps=4, num_stages=3),
-]
-DQ_CONFIGS_WIDE = [
-    triton.Config({"BM": 32, "BN": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=3),
+BWD_CONFIGS_WIDE = [
+    triton.Config({"BM1": 32, "BN1": 32, "BM2": 32, "BN2": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BM1": 32, "BN1": 32, "BM2": 64, "BN2": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BM1": 16, "BN1": 32, "BM2": 64, "BN2": 32}, num_warps=8, num_stages=2),
 ]
 # Under the interpreter (no driver, so no autotune) one small config is launched; BM != BN so
 # the tests exercise block ranges whose edges do not line up.
-INTERPRET_META = {"fwd": {"BM": 64, "BN": 32}, "dkdv": {"BM": 32, "BN": 64}, "dq": {"BM": 64, "BN": 32}}
+INTERPRET_META = {"fwd": {"BM": 64, "BN": 32}, "bwd": {"BM1": 32, "BN1": 64, "BM2": 64, "BN2": 32}}
 
 
 def _autotune(configs, wide_configs):
@@ -100,16 +92,28 @@ GROUP_HEADS = 16
 
 
 @triton.jit
-def _program(NH, GH: tl.constexpr):
-    """(rank, row) of this program in the 1-D grid of ``NB * NH`` programs: ``row`` indexes the
-    NH (sequence, head) rows, ``rank`` 0 is the row's longest block. Rows go in groups of GH and
+def _program(pid, n_programs, NH, GH: tl.constexpr):
+    """(rank, row) of program ``pid`` of ``n_programs = NB * NH``: ``row`` indexes the NH
+    (sequence, head) rows, ``rank`` 0 is the row's longest block. Rows go in groups of GH and
     each group's programs in rank order, so every group starts with its longest blocks."""
-    pid = tl.program_id(0)
-    nb = tl.num_programs(0) // NH
+    nb = n_programs // NH
     grp = pid // (GH * nb)
     r = pid - grp * (GH * nb)
     gh = tl.minimum(GH, NH - grp * GH)
     return r // gh, grp * GH + r % gh
+
+
+@triton.jit
+def _bounds(cu_seqlens, i_n, max_len, VARLEN: tl.constexpr):
+    """(first token, length) of sequence ``i_n``: read from ``cu_seqlens`` for packed documents;
+    a plain batch (``VARLEN`` False, ``cu_seqlens`` None) has ``max_len`` tokens per sequence."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    else:
+        bos = i_n * max_len
+        L = max_len
+    return bos, L
 
 
 @triton.jit
@@ -162,15 +166,14 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, strid
 
 @_autotune(FWD_CONFIGS, FWD_CONFIGS_WIDE)
 @triton.jit
-def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, W, qk_scale, NH,
+def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, max_len, W, qk_scale, NH,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
-    rank, i_nh = _program(NH, GH)
+                    BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
+    rank, i_nh = _program(tl.program_id(0), tl.num_programs(0), NH, GH)
     i_m = tl.num_programs(0) // NH - 1 - rank  # the last query block sees the most keys
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_hk = i_hq // G
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -226,7 +229,10 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
     p_qj = p_q + j_lo.to(tl.int64) * (BM * stride_qt)
     p_doj = p_do + j_lo.to(tl.int64) * (BM * stride_qt)
     p_off = tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :]
-    for j in tl.range(j_lo, j_hi):
+    # Loop-invariant code stays in the loop: with LICM, ptxas serialises this loop's wgmma
+    # (C7515: accumulator registers defined by other instructions inside the pipeline stage), and
+    # the backward at T = 2048 takes 1.32 ms instead of 1.09 (docs/benchmarks.md, session 8).
+    for j in tl.range(j_lo, j_hi, disable_licm=True):
         o_m = j * BM + tl.arange(0, BM)
         m_t = o_m < L
         if MASK:
@@ -244,12 +250,14 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
                 b_do = tl.load(p_doj + p_off, mask=o_d[None, :] < D, other=0.0)
             b_lse = tl.load(p_lse + o_m)
             b_delta = tl.load(p_delta + o_m)
-        b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])  # [BN, BM]
+        # both products that read only loads are issued before the exp, so dP^T's MMA overlaps it
+        b_st = tl.dot(b_k, tl.trans(b_q))  # [BN, BM]
+        b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
+        b_pt = tl.exp2(b_st * qk_scale - b_lse[None, :])
         if MASK:
             m_s = (o_n[:, None] <= o_m[None, :]) & (o_n[:, None] > o_m[None, :] - W) & m_t[None, :]
             b_pt = tl.where(m_s, b_pt, 0.0)
         b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
-        b_dpt = tl.dot(b_v, tl.trans(b_do))  # [BN, BM]
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
         p_qj += BM * stride_qt
@@ -257,16 +265,14 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
     return b_dk, b_dv
 
 
-@_autotune(DKDV_CONFIGS, DKDV_CONFIGS_WIDE)
 @triton.jit
-def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, W, qk_scale, scale, NH,
-                         HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
-    i_j, i_nh = _program(NH, GH)  # the first key block is seen by the most queries
+def _dkdv_program(pid, n_programs, q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale,
+                  scale, NH, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
+    i_j, i_nh = _program(pid, n_programs, NH, GH)  # the first key block is seen by the most queries
     HK = HQ // G
     i_n, i_hk = i_nh // HK, i_nh % HK
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
     n0 = i_j * BN
     if n0 >= L:
         return
@@ -331,17 +337,15 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L
     return b_dq
 
 
-@_autotune(DQ_CONFIGS, DQ_CONFIGS_WIDE)
 @triton.jit
-def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_scale, scale, NH,
-                       HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr):
-    rank, i_nh = _program(NH, GH)
-    i_m = tl.num_programs(0) // NH - 1 - rank
+def _dq_program(pid, n_programs, q, k, v, do, lse, delta, dq, cu_seqlens, T_total, max_len, W, qk_scale, scale,
+                NH, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
+    rank, i_nh = _program(pid, n_programs, NH, GH)
+    i_m = n_programs // NH - 1 - rank
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_hk = i_hq // G
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -369,64 +373,96 @@ def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, cu_seqlens, T_total, W, qk_s
     tl.store(dq + p_off, (b_dq * scale).to(dq.dtype.element_ty), mask=m_q)
 
 
+@_autotune(BWD_CONFIGS, BWD_CONFIGS_WIDE)
+@triton.jit
+def attn_bwd_kernel(q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale, scale, N,
+                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM1: tl.constexpr,
+                    BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr, GH: tl.constexpr,
+                    VARLEN: tl.constexpr):
+    """The whole backward in one launch: the first ``cdiv(max_len, BN1) * N * Hkv`` programs are
+    dK/dV programs (longest first within their groups), the rest dQ programs, so dQ work fills the
+    SMs that the dK/dV programs' tail leaves idle."""
+    pid = tl.program_id(0)
+    n_kv = tl.cdiv(max_len, BN1) * N * (HQ // G)
+    if pid < n_kv:
+        _dkdv_program(pid, n_kv, q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale,
+                      scale, N * (HQ // G), HQ, G, D, BD, BM1, BN1, GH, VARLEN)
+    else:
+        _dq_program(pid - n_kv, tl.num_programs(0) - n_kv, q, k, v, do, lse, delta, dq, cu_seqlens, T_total,
+                    max_len, W, qk_scale, scale, N * HQ, HQ, G, D, BD, BM2, BN2, GH, VARLEN)
+
+
+# (kernel name, block head dim, dtype) -> the Config the autotuner chose; later calls launch the
+# jitted kernel with it directly. The autotuner's own per-call work (a key from every argument,
+# its cache lookup) is ~20 us of host time per launch on the H200 host, and at T = 2048 the
+# attention call is host-bound (docs/benchmarks.md, session 8).
+_TUNED: dict = {}
+
+
 def _launch(kernel, name, grid, *args, **consts):
-    """Launch an autotuned kernel; under the interpreter with the fixed small config."""
+    """Launch an autotuned kernel (``args[0]`` sets the dtype); under the interpreter with the
+    fixed small config."""
     if interpreter_active():
         meta = INTERPRET_META[name]
         kernel[grid(meta)](*args, **consts, **meta)
         return
+    key = (name, consts["BD"], args[0].dtype)
+    config = _TUNED.get(key)
     try:
-        kernel[grid](*args, **consts)
+        if config is None:
+            kernel[grid](*args, **consts)
+            # `best_config` is the autotuner's pick for this call's key; without it, keep autotuning
+            if getattr(kernel, "best_config", None) is not None:
+                _TUNED[key] = kernel.best_config
+        else:
+            kernel.fn[grid](*args, **consts, **config.all_kwargs())
     except OutOfResources as err:
         raise ValueError(f"attention head dim D={consts['D']} does not fit this GPU's shared memory or "
                          f"registers in the {name} kernel ({err}); use D <= 128 or the torch backend") from err
 
 
-def attention_fwd(q, k, v, cu_seqlens, max_len, window, scale):
-    """q ``[T_total, Hq, D]``, k/v ``[T_total, Hkv, D]`` contiguous -> (o, lse ``[Hq, T_total]`` fp32)."""
+def attention_fwd(q, k, v, cu_seqlens, n, max_len, window, scale):
+    """q ``[T_total, Hq, D]``, k/v ``[T_total, Hkv, D]`` contiguous, ``n`` sequences (bounds in
+    ``cu_seqlens``, or ``max_len`` tokens each when it is None) -> (o, lse ``[Hq, T_total]`` fp32)."""
     t_total, hq, d = q.shape
-    n = cu_seqlens.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty(hq, t_total, device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(max_len, meta["BM"]) * n * hq,)
-    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, window, scale * LOG2E, n * hq,
-            HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS)
+    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, max_len, window, scale * LOG2E,
+            n * hq, HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS,
+            VARLEN=cu_seqlens is not None)
     return o, lse
 
 
-def attention_bwd(q, k, v, o, lse, do, cu_seqlens, max_len, window, scale):
+def attention_bwd(q, k, v, o, lse, do, cu_seqlens, n, max_len, window, scale):
     t_total, hq, d = q.shape
     hkv = k.shape[1]
-    n = cu_seqlens.numel() - 1
     bd = triton.next_power_of_2(d)
     delta = torch.empty_like(lse)
     bt = max(16, 4096 // bd)
     attn_bwd_delta_kernel[(triton.cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    consts = {"HQ": hq, "G": hq // hkv, "D": d, "BD": bd, "GH": GROUP_HEADS}
-    grid_kv = lambda meta: (triton.cdiv(max_len, meta["BN"]) * n * hkv,)
-    _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, q, k, v, do, lse, delta, dk, dv, cu_seqlens, t_total,
-            window, scale * LOG2E, scale, n * hkv, **consts)
-    grid_q = lambda meta: (triton.cdiv(max_len, meta["BM"]) * n * hq,)
-    _launch(attn_bwd_dq_kernel, "dq", grid_q, q, k, v, do, lse, delta, dq, cu_seqlens, t_total,
-            window, scale * LOG2E, scale, n * hq, **consts)
+    grid = lambda meta: (triton.cdiv(max_len, meta["BN1"]) * n * hkv + triton.cdiv(max_len, meta["BM2"]) * n * hq,)
+    _launch(attn_bwd_kernel, "bwd", grid, q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, t_total, max_len,
+            window, scale * LOG2E, scale, n, HQ=hq, G=hq // hkv, D=d, BD=bd, GH=GROUP_HEADS,
+            VARLEN=cu_seqlens is not None)
     return dq, dk, dv
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_len, window, scale):
-        o, lse = attention_fwd(q, k, v, cu_seqlens, max_len, window, scale)
+    def forward(ctx, q, k, v, cu_seqlens, n, max_len, window, scale):
+        o, lse = attention_fwd(q, k, v, cu_seqlens, n, max_len, window, scale)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.max_len, ctx.window, ctx.scale = max_len, window, scale
+        ctx.n, ctx.max_len, ctx.window, ctx.scale = n, max_len, window, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.max_len, ctx.window,
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.n, ctx.max_len, ctx.window,
                                    ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def triton_attention(q, k, v, *, window, scale, cu_seqlens):
@@ -437,15 +473,14 @@ def triton_attention(q, k, v, *, window, scale, cu_seqlens):
     b, t, hq, d = q.shape
     if b == 0 or t == 0:
         return torch.zeros_like(q)
-    if cu_seqlens is None:
-        cu = torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32)
-        max_len = t
+    if cu_seqlens is None:  # a plain batch: the kernels derive every sequence's bounds from t
+        cu, n, max_len = None, b, t
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-        max_len = int((cu[1:] - cu[:-1]).max())
+        n, max_len = cu.numel() - 1, int((cu[1:] - cu[:-1]).max())
     if max_len == 0:
         return torch.zeros_like(q)
     win = max_len if window is None else min(window, max_len)
     flat = lambda x: x.reshape(b * t, x.shape[2], d).contiguous()
-    o = FlashAttentionFunction.apply(flat(q), flat(k), flat(v), cu, max_len, win, scale)
+    o = FlashAttentionFunction.apply(flat(q), flat(k), flat(v), cu, n, max_len, win, scale)
     return o.view(b, t, hq, d)

@@ -207,17 +207,17 @@ def test_configs_fit_hopper_shared_memory(d):
         pytest.skip("kernels built for the interpreter; run with TRITON_INTERPRET=0 (no GPU needed)")
     p = "*bf16"
     sig = {"q": p, "k": p, "v": p, "o": p, "do": p, "dq": p, "dk": p, "dv": p, "lse": "*fp32", "delta": "*fp32",
-           "cu_seqlens": "*i32", "T_total": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32", "NH": "i32"}
+           "cu_seqlens": "*i32", "T_total": "i32", "max_len": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32",
+           "NH": "i32", "N": "i32"}
     wide = d > 128
     kernels = [
         (flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
-        (flash.attn_bwd_dkdv_kernel, flash.DKDV_CONFIGS_WIDE if wide else flash.DKDV_CONFIGS),
-        (flash.attn_bwd_dq_kernel, flash.DQ_CONFIGS_WIDE if wide else flash.DQ_CONFIGS),
+        (flash.attn_bwd_kernel, flash.BWD_CONFIGS_WIDE if wide else flash.BWD_CONFIGS),
     ]
     for kernel, configs in kernels:
         fn = kernel.fn
         for config in configs:
-            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, "GH": flash.GROUP_HEADS, **config.kwargs}
+            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": True, **config.kwargs}
             signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
             src = ASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
