@@ -196,7 +196,14 @@ def test_bad_input(backend):
 @pytest.mark.parametrize("d", [128, 256])
 def test_configs_fit_hopper_shared_memory(d):
     """Every autotune config compiles for sm_90 (no GPU needed) within the 227 KiB an H100/H200
-    block may use, so head dim 256 runs rather than failing with OutOfResources."""
+    block may use, so head dim 256 runs rather than failing with OutOfResources; and, where Triton
+    ships ptxas, none has its wgmma serialised (ptxas note C7515), which made the dK/dV loop ~20 %
+    slower before it ran without loop-invariant code motion (docs/benchmarks.md, session 8)."""
+    import itertools
+    import os
+    import subprocess
+    import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -209,15 +216,23 @@ def test_configs_fit_hopper_shared_memory(d):
     sig = {"q": p, "k": p, "v": p, "o": p, "do": p, "dq": p, "dk": p, "dv": p, "lse": "*fp32", "delta": "*fp32",
            "cu_seqlens": "*i32", "T_total": "i32", "max_len": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32",
            "NH": "i32", "N": "i32"}
+    try:  # the ptxas Triton itself uses for sm_90
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except (ImportError, AttributeError, RuntimeError):
+        ptxas = ""
     wide = d > 128
     kernels = [
         (flash.attn_fwd_kernel, flash.FWD_CONFIGS_WIDE if wide else flash.FWD_CONFIGS),
         (flash.attn_bwd_kernel, flash.BWD_CONFIGS_WIDE if wide else flash.BWD_CONFIGS),
     ]
-    for kernel, configs in kernels:
+    # G = 1 and G = 2 compile differently (the dK/dV programs loop over a GQA group): ptxas
+    # serialised the G = 1 dK/dV loop with loop-invariant code motion on, not the G = 2 one
+    for (kernel, configs), g in itertools.product(kernels, (1, 2)):
         fn = kernel.fn
         for config in configs:
-            consts = {"HQ": 8, "G": 2, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": True, **config.kwargs}
+            consts = {"HQ": 8, "G": g, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": True, **config.kwargs}
             signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
             src = ASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
@@ -226,3 +241,12 @@ def test_configs_fit_hopper_shared_memory(d):
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": config.num_warps, "num_stages": config.num_stages})
             assert compiled.metadata.shared <= 232448, (fn.__name__, config, compiled.metadata.shared)
+            if os.path.exists(ptxas):
+                with tempfile.TemporaryDirectory() as tmp:
+                    ptx = os.path.join(tmp, "k.ptx")
+                    with open(ptx, "w") as f:
+                        f.write(compiled.asm["ptx"])
+                    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".cubin"],
+                                         capture_output=True, text=True, timeout=300)
+                assert out.returncode == 0, out.stderr[-2000:]
+                assert "C7515" not in out.stderr, (fn.__name__, config, "wgmma serialised")
