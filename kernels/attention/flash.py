@@ -231,7 +231,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
     p_off = tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :]
     # Loop-invariant code stays in the loop: with LICM, ptxas serialises this loop's wgmma
     # (C7515: accumulator registers defined by other instructions inside the pipeline stage), and
-    # the backward at T = 2048 takes 1.32 ms instead of 1.09 (docs/benchmarks.md, session 8).
+    # the backward at T = 2048 takes 1.32 - 1.40 ms instead of 1.02 (docs/benchmarks.md, session 8).
     for j in tl.range(j_lo, j_hi, disable_licm=True):
         o_m = j * BM + tl.arange(0, BM)
         m_t = o_m < L
@@ -394,8 +394,8 @@ def attn_bwd_kernel(q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T_total, ma
 
 # (kernel name, block head dim, dtype) -> the Config the autotuner chose; later calls launch the
 # jitted kernel with it directly. The autotuner's own per-call work (a key from every argument,
-# its cache lookup) is ~20 us of host time per launch on the H200 host, and at T = 2048 the
-# attention call is host-bound (docs/benchmarks.md, session 8).
+# its cache lookup) took 37 us per launch in a cProfile of the H200 host, and at T = 2048 the
+# attention row includes host time (docs/benchmarks.md, session 8).
 _TUNED: dict = {}
 
 
