@@ -228,11 +228,12 @@ def test_configs_fit_hopper_shared_memory(d):
         (flash.attn_bwd_kernel, flash.BWD_CONFIGS_WIDE if wide else flash.BWD_CONFIGS),
     ]
     # G = 1 and G = 2 compile differently (the dK/dV programs loop over a GQA group): ptxas
-    # serialised the G = 1 dK/dV loop with loop-invariant code motion on, not the G = 2 one
-    for (kernel, configs), g in itertools.product(kernels, (1, 2)):
+    # serialised the G = 1 dK/dV loop with loop-invariant code motion on, not the G = 2 one; plain
+    # batches (VARLEN off, the benchmarked path) and packed documents are separate builds too
+    for (kernel, configs), g, varlen in itertools.product(kernels, (1, 2), (False, True)):
         fn = kernel.fn
         for config in configs:
-            consts = {"HQ": 8, "G": g, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": True, **config.kwargs}
+            consts = {"HQ": 8, "G": g, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": varlen, **config.kwargs}
             signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
             src = ASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
