@@ -170,7 +170,7 @@ def _state(args) -> int:
             raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
     jobs = [
         st.make_job(
-            task, label, lr, seed=args.seed, d_model=args.d_model, num_layers=args.num_layers,
+            task, label, lr, weight_decay=wd, seed=args.seed, d_model=args.d_model, num_layers=args.num_layers,
             intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
             batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
             eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
@@ -179,6 +179,7 @@ def _state(args) -> int:
         for task in args.task
         for label in chosen
         for lr in args.lrs
+        for wd in args.weight_decays
     ]
     for i, job in enumerate(jobs):
         job["index"] = i
@@ -281,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--lrs", type=_csv(float), default=[1e-3, 3e-3])
+    p.add_argument(
+        "--weight-decays", type=_csv(float), default=[0.1], help="AdamW weight decays (each run at every lr)"
+    )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--train-min", type=int, default=3)

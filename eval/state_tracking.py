@@ -149,6 +149,7 @@ def make_job(
     label: str,
     lr: float,
     *,
+    weight_decay: float = 0.1,
     seed: int = 0,
     d_model: int = 64,
     num_layers: int = 2,
@@ -172,9 +173,12 @@ def make_job(
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     if label not in variants:
         raise ValueError(f"label: expected one of {list(variants)}, got {label!r}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
     mixer, overrides = variants[label]
     return dict(
-        kind="state", task=task, label=label, mixer=mixer, overrides=dict(overrides), lr=lr, seed=seed,
+        kind="state", task=task, label=label, mixer=mixer, overrides=dict(overrides), lr=lr,
+        weight_decay=weight_decay, seed=seed,
         d_model=d_model, num_layers=num_layers, intermediate_size=intermediate_size, num_heads=num_heads,
         steps=steps, batch_size=batch_size, train_min=train_min, train_max=train_max,
         eval_lengths=list(eval_lengths), eval_examples=eval_examples, eval_batch_size=eval_batch_size,
@@ -204,7 +208,13 @@ def run_job(job: dict) -> dict:
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
     losses = train(
-        model, batches, steps=job["steps"], lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp
+        model,
+        batches,
+        steps=job["steps"],
+        lr=job["lr"],
+        weight_decay=job.get("weight_decay", 0.1),
+        max_seconds=job.get("max_seconds"),
+        amp_dtype=amp,
     )
     rng = random.Random(10_000 + job["seed"])
     per_length = {}
@@ -221,11 +231,11 @@ def run_job(job: dict) -> dict:
     }
 
 
-def best_by_label(results: list[dict]) -> dict[tuple[str, str], dict]:
-    """Best learning rate per (task, variant), by mean accuracy over the eval lengths."""
-    best: dict[tuple[str, str], dict] = {}
+def best_by_label(results: list[dict]) -> dict[tuple[str, str, float], dict]:
+    """Best learning rate per (task, variant, weight decay), by mean accuracy over the eval lengths."""
+    best: dict[tuple[str, str, float], dict] = {}
     for r in results:
-        key = (r["task"], r["label"])
+        key = (r["task"], r["label"], r.get("weight_decay", 0.1))
         score = sum(r["per_length"].values()) / len(r["per_length"])
         if key not in best or score > sum(best[key]["per_length"].values()) / len(best[key]["per_length"]):
             best[key] = r
@@ -233,15 +243,15 @@ def best_by_label(results: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def markdown_table(results: list[dict]) -> str:
-    """Best-lr final-answer accuracy per task, variant and evaluation length."""
+    """Best-lr final-answer accuracy per task, variant, weight decay and evaluation length."""
     if not results:
         return "(no state-tracking runs finished)"
     best = best_by_label(results)
     lengths = list(results[0]["per_length"])
-    head = ["task", "model", "best lr", "chance", *[f"L={n}" for n in lengths]]
+    head = ["task", "model", "weight decay", "best lr", "steps", "chance", *[f"L={n}" for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (task, label), r in sorted(best.items()):
-        cells = [task, label, f"{r['lr']:.1e}", f"{r['chance']:.2f}"]
+    for (task, label, wd), r in sorted(best.items()):
+        cells = [task, label, f"{wd:g}", f"{r['lr']:.1e}", str(r["steps"]), f"{r['chance']:.2f}"]
         cells += [f"{r['per_length'][n]:.3f}" for n in lengths]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -8,6 +8,11 @@ rates; parity for DeltaNet / Gated DeltaNet with beta in
 the clock, see ``ttr.eval.synthetic.train``) in one of ``--jobs`` processes sharing the GPU(s),
 so the whole run takes about ``max_minutes`` plus start-up and evaluation.
 
+Parity jobs run at every ``--parity-lrs`` (default 3e-3, 6e-3) and ``--parity-weight-decays``
+(default 0.1); the table keeps the best lr per (variant, weight decay). How far parity holds
+beyond the training lengths depends on the steps a job gets: about four jobs per H200 gave
+16 - 17K steps in 6.5 - 7.5 minutes (docs/benchmarks.md, parity, session 9).
+
     python -m ttr.scripts.bench_mqar --output OUT [--jobs 15] [--max-minutes 5] [--only all|mqar|parity]
 
 Writes ``OUT/recall.md`` (both tables and a target check), ``OUT/recall.json`` and, when
@@ -88,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         help="one more MQAR model: MIXER with these TTRConfig fields (repeatable; replaces the default "
         f"variants {', '.join(DEFAULT_VARIANTS)}; 'none' for no variant)",
     )  # fmt: skip
-    p.add_argument("--parity-lrs", default="3e-3")
+    p.add_argument("--parity-lrs", default="3e-3,6e-3")
+    p.add_argument(
+        "--parity-weight-decays", default="0.1",
+        help="comma-separated AdamW weight decays of the parity jobs (each is run at every lr)",
+    )  # fmt: skip
     p.add_argument(
         "--parity-variants", default=",".join(PARITY_VARIANTS),
         help=f"comma-separated subset of: {'; '.join(PARITY_VARIANTS)}",
@@ -142,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
         # and fell to 0.71 at L = 256)
         st.make_job(
-            "parity", label, lr, seed=args.seed, steps=10**7, train_max=args.parity_train_max,
+            "parity", label, lr, weight_decay=wd, seed=args.seed, steps=10**7, train_max=args.parity_train_max,
             eval_lengths=parity_eval, eval_batch_size=512, max_seconds=budget, amp=False,
         )  # fmt: skip
         for label in variants
         for lr in map(float, args.parity_lrs.split(","))
+        for wd in map(float, args.parity_weight_decays.split(","))
     ]
     jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
     os.makedirs(args.output, exist_ok=True)
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"- MQAR {label}: pooled {r['accuracy']:.4f} {verdict['pooled']}, config mean "
                 f"{r['config_mean']:.4f} {verdict['config mean']} (target >= {target})"
             )
-    for (_, label), r in sorted(st.best_by_label(state_results).items()):
+    for (_, label, wd), r in sorted(st.best_by_label(state_results).items()):
+        label = f"{label} wd={wd:g}"
         beyond = {n: a for n, a in r["per_length"].items() if n > args.parity_train_max}
         if not beyond:
             continue

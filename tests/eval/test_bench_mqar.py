@@ -11,7 +11,8 @@ def tiny_args(out) -> list[str]:
     return [
         "--output", str(out), "--jobs", "1", "--max-minutes", "0.002", "--mixers", "attn", "--mqar-lrs", "1e-3",
         "--batch-size", "4", "--d-model", "16", "--vocab-size", "64", "--train-configs", "16:2:8",
-        "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--device", "cpu",
+        "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--parity-lrs", "3e-3",
+        "--device", "cpu",
     ]
 
 
@@ -84,3 +85,19 @@ def test_bench_mqar_variant_adds_a_model(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bench_mqar.main(tiny_args(out) + ["--variant", bad])
         assert "--variant" in capsys.readouterr().err
+
+
+def test_bench_mqar_parity_weight_decay_sweep(tmp_path):
+    """--parity-weight-decays runs every variant and lr at each weight decay; the table and the
+    target check keep one best-lr row per weight decay."""
+    out = tmp_path / "recall"
+    args = tiny_args(out) + [
+        "--only", "parity", "--parity-variants", "delta_net beta(0,2)", "--parity-lrs", "1e-3,3e-3",
+        "--parity-weight-decays", "0,0.1",
+    ]  # fmt: skip
+    assert bench_mqar.main(args) == 0
+    results = json.loads((out / "recall.json").read_text())
+    assert sorted((r["lr"], r["weight_decay"]) for r in results) == [(1e-3, 0.0), (1e-3, 0.1), (3e-3, 0.0), (3e-3, 0.1)]
+    report = (out / "recall.md").read_text()
+    assert "| weight decay |" in report
+    assert "parity delta_net beta(0,2) wd=0:" in report and "parity delta_net beta(0,2) wd=0.1:" in report

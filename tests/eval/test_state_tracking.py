@@ -104,6 +104,23 @@ def test_cli_state_run(tmp_path):
     assert "delta_net beta(0,2)" in (out / "state_tracking.md").read_text()
 
 
+def test_weight_decay_reaches_the_optimizer(monkeypatch):
+    """The job's weight decay is what ``train`` gets; a negative one is refused by name."""
+    seen = {}
+
+    def fake_train(model, batches, **kw):
+        seen.update(kw)
+        return [0.0]
+
+    monkeypatch.setattr(st, "train", fake_train)
+    job = st.make_job("parity", "delta_net beta(0,2)", 1e-3, weight_decay=0.0, d_model=16, intermediate_size=0,
+                      steps=1, train_max=4, eval_lengths=(4,), eval_examples=2, device="cpu")  # fmt: skip
+    r = st.run_job(job)
+    assert seen["weight_decay"] == 0.0 and seen["lr"] == 1e-3 and r["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="weight_decay"):
+        st.make_job("parity", "delta_net beta(0,2)", 1e-3, weight_decay=-0.1)
+
+
 def _parity(label, neg):
     return st.run_job(
         dict(
