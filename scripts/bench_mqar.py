@@ -64,6 +64,19 @@ def _variant(text: str) -> tuple[str, dict] | None:
     return mixer, dict(parse_override(item) for item in fields.split(","))
 
 
+def _floats(parser: argparse.ArgumentParser, flag: str, text: str, *, minimum: float, strict: bool) -> list[float]:
+    """Comma-separated numbers above ``minimum`` (or at it, unless ``strict``); a bad one is a
+    usage error naming ``flag``."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated numbers, got {text!r}")
+    bad = [v for v in values if not (v > minimum if strict else v >= minimum)]
+    if bad:
+        parser.error(f"{flag}: expected numbers {'>' if strict else '>='} {minimum:g}, got {bad}")
+    return values
+
+
 def run(job: dict) -> dict:
     """One job; a failure is recorded (``error``) instead of losing every other job's result, and
     each finished job is appended to ``OUT/jobs.jsonl`` at once, so a run cut short keeps its
@@ -121,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--parity-variants: unknown {unknown}; expected some of {list(PARITY_VARIANTS)}")
     budget = 60.0 * args.max_minutes
+    mqar_lrs = _floats(p, "--mqar-lrs", args.mqar_lrs, minimum=0.0, strict=True)
+    parity_lrs = _floats(p, "--parity-lrs", args.parity_lrs, minimum=0.0, strict=True)
+    parity_wds = _floats(p, "--parity-weight-decays", args.parity_weight_decays, minimum=0.0, strict=False)
     mixers = args.mixers.split(",")
     if args.variant is None:  # the default variants of the mixers that run
         extra_models = [v for v in map(_variant, DEFAULT_VARIANTS) if v[0] in mixers]
@@ -144,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides,
         )  # fmt: skip
         for mixer, overrides in models
-        for lr in map(float, args.mqar_lrs.split(","))
+        for lr in mqar_lrs
     ]
     parity_jobs = [
         # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
@@ -155,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_lengths=parity_eval, eval_batch_size=512, max_seconds=budget, amp=False,
         )  # fmt: skip
         for label in variants
-        for lr in map(float, args.parity_lrs.split(","))
-        for wd in map(float, args.parity_weight_decays.split(","))
+        for lr in parity_lrs
+        for wd in parity_wds
     ]
     jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
     os.makedirs(args.output, exist_ok=True)

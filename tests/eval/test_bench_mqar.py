@@ -101,3 +101,14 @@ def test_bench_mqar_parity_weight_decay_sweep(tmp_path):
     report = (out / "recall.md").read_text()
     assert "| weight decay |" in report
     assert "parity delta_net beta(0,2) wd=0:" in report and "parity delta_net beta(0,2) wd=0.1:" in report
+
+
+def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
+    """A negative weight decay, a non-positive lr or a non-number is a usage error naming the flag."""
+    import pytest
+
+    out = tmp_path / "recall"
+    for flag, value in (("--parity-weight-decays", "0,-0.1"), ("--parity-lrs", "0"), ("--parity-lrs", "3e-3,x"), ("--mqar-lrs", "-1")):
+        with pytest.raises(SystemExit):
+            bench_mqar.main(tiny_args(out) + [flag, value])
+        assert flag in capsys.readouterr().err
