@@ -9,14 +9,23 @@ import os
 import sys
 
 
-def _csv(kind):
+def parse_csv(kind, *, above: float | None = None, at_least: float | None = None):
+    """An argparse ``type``: comma-separated ``kind`` values, optionally each ``> above`` or
+    ``>= at_least``; argparse names the flag in the error."""
+
     def parse(text: str):
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
+            values = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected comma-separated {kind.__name__} values, got {text!r}"
             ) from None
+        low = [v for v in values if above is not None and not v > above]
+        bad = low + [v for v in values if at_least is not None and not v >= at_least]
+        if bad:
+            bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+            raise argparse.ArgumentTypeError(f"expected values {bound}, got {bad}")
+        return values
 
     return parse
 
@@ -241,10 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_ppl)
 
     p = sub.add_parser("mqar", help="multi-query associative recall (Zoology protocol), lr sweep, plot")
-    p.add_argument("--mixer", type=_csv(str), default=["gated_deltanet"], help="comma-separated layer types")
-    p.add_argument("--d-model", type=_csv(int), default=[128])
+    p.add_argument("--mixer", type=parse_csv(str), default=["gated_deltanet"], help="comma-separated layer types")
+    p.add_argument("--d-model", type=parse_csv(int), default=[128])
     p.add_argument("--num-heads", type=int, default=1)
-    p.add_argument("--lrs", type=_csv(float), default=[1e-4, 4.6e-4, 2.2e-3, 1e-2])
+    p.add_argument("--lrs", type=parse_csv(float, above=0), default=[1e-4, 4.6e-4, 2.2e-3, 1e-2])
     p.add_argument("--steps", type=int, default=0, help="training steps (0: --epochs over the training set)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=256)
@@ -271,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_mqar)
 
     p = sub.add_parser("state", help="state tracking: parity, modular arithmetic (with/without brackets)")
-    p.add_argument("--task", type=_csv(str), default=["parity"])
+    p.add_argument("--task", type=parse_csv(str), default=["parity"])
     p.add_argument(
         "--variants",
         type=lambda s: [v.strip() for v in s.split(";") if v.strip()],
@@ -281,15 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--num-heads", type=int, default=1)
-    p.add_argument("--lrs", type=_csv(float), default=[1e-3, 3e-3])
+    p.add_argument("--lrs", type=parse_csv(float, above=0), default=[1e-3, 3e-3])
     p.add_argument(
-        "--weight-decays", type=_csv(float), default=[0.1], help="AdamW weight decays (each run at every lr)"
+        "--weight-decays", type=parse_csv(float, at_least=0), default=[0.1], help="AdamW weight decays (each run at every lr)"
     )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--train-min", type=int, default=3)
     p.add_argument("--train-max", type=int, default=40)
-    p.add_argument("--eval-lengths", type=_csv(int), default=[40, 64, 128, 256])
+    p.add_argument("--eval-lengths", type=parse_csv(int), default=[40, 64, 128, 256])
     p.add_argument("--eval-examples", type=int, default=512)
     p.add_argument("--eval-batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

@@ -32,7 +32,7 @@ import torch
 
 from ttr.eval import mqar
 from ttr.eval import state_tracking as st
-from ttr.eval.cli import parse_override
+from ttr.eval.cli import parse_csv, parse_override
 from ttr.eval.synthetic import run_jobs
 
 # (mixer, minimum mean accuracy) from the Zoology figure readings the issue asks for
@@ -64,19 +64,6 @@ def _variant(text: str) -> tuple[str, dict] | None:
     return mixer, dict(parse_override(item) for item in fields.split(","))
 
 
-def _floats(parser: argparse.ArgumentParser, flag: str, text: str, *, minimum: float, strict: bool) -> list[float]:
-    """Comma-separated numbers above ``minimum`` (or at it, unless ``strict``); a bad one is a
-    usage error naming ``flag``."""
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        parser.error(f"{flag}: expected comma-separated numbers, got {text!r}")
-    bad = [v for v in values if not (v > minimum if strict else v >= minimum)]
-    if bad:
-        parser.error(f"{flag}: expected numbers {'>' if strict else '>='} {minimum:g}, got {bad}")
-    return values
-
-
 def run(job: dict) -> dict:
     """One job; a failure is recorded (``error``) instead of losing every other job's result, and
     each finished job is appended to ``OUT/jobs.jsonl`` at once, so a run cut short keeps its
@@ -96,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=15)
     p.add_argument("--max-minutes", type=float, default=5.0, help="training time per job")
     p.add_argument("--mixers", default=",".join(MQAR_TARGETS))
-    p.add_argument("--mqar-lrs", default="1e-3,3e-3")
+    p.add_argument("--mqar-lrs", type=parse_csv(float, above=0), default=[1e-3, 3e-3])
     p.add_argument(
         "--attn-positions", default="nope",
         help="position encodings of the attention baselines, comma-separated: rope (rotary), nope (none)",
@@ -106,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         help="one more MQAR model: MIXER with these TTRConfig fields (repeatable; replaces the default "
         f"variants {', '.join(DEFAULT_VARIANTS)}; 'none' for no variant)",
     )  # fmt: skip
-    p.add_argument("--parity-lrs", default="3e-3,6e-3")
+    p.add_argument("--parity-lrs", type=parse_csv(float, above=0), default=[3e-3, 6e-3])
     p.add_argument(
-        "--parity-weight-decays", default="0.1",
+        "--parity-weight-decays", type=parse_csv(float, at_least=0), default=[0.1],
         help="comma-separated AdamW weight decays of the parity jobs (each is run at every lr)",
     )  # fmt: skip
     p.add_argument(
@@ -124,19 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-configs", type=mqar.parse_configs, default=mqar.TRAIN_CONFIGS)
     p.add_argument("--test-configs", type=mqar.parse_configs, default=mqar.TEST_CONFIGS)
     p.add_argument("--parity-train-max", type=int, default=40)
-    p.add_argument("--parity-eval-lengths", default="40,64,128,256")
+    p.add_argument("--parity-eval-lengths", type=parse_csv(int, above=0), default=[40, 64, 128, 256])
     p.add_argument("--device")
     args = p.parse_args(argv)
-    parity_eval = [int(n) for n in args.parity_eval_lengths.split(",")]
     # names hold commas themselves ("beta(0,2)"): split only at commas outside parentheses
     variants = re.split(r",(?![^()]*\))", args.parity_variants)
     unknown = sorted(set(variants) - set(PARITY_VARIANTS))
     if unknown:
         p.error(f"--parity-variants: unknown {unknown}; expected some of {list(PARITY_VARIANTS)}")
     budget = 60.0 * args.max_minutes
-    mqar_lrs = _floats(p, "--mqar-lrs", args.mqar_lrs, minimum=0.0, strict=True)
-    parity_lrs = _floats(p, "--parity-lrs", args.parity_lrs, minimum=0.0, strict=True)
-    parity_wds = _floats(p, "--parity-weight-decays", args.parity_weight_decays, minimum=0.0, strict=False)
     mixers = args.mixers.split(",")
     if args.variant is None:  # the default variants of the mixers that run
         extra_models = [v for v in map(_variant, DEFAULT_VARIANTS) if v[0] in mixers]
@@ -160,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides,
         )  # fmt: skip
         for mixer, overrides in models
-        for lr in mqar_lrs
+        for lr in args.mqar_lrs
     ]
     parity_jobs = [
         # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
@@ -168,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         # and fell to 0.71 at L = 256)
         st.make_job(
             "parity", label, lr, weight_decay=wd, seed=args.seed, steps=10**7, train_max=args.parity_train_max,
-            eval_lengths=parity_eval, eval_batch_size=512, max_seconds=budget, amp=False,
+            eval_lengths=args.parity_eval_lengths, eval_batch_size=512, max_seconds=budget, amp=False,
         )  # fmt: skip
         for label in variants
-        for lr in parity_lrs
-        for wd in parity_wds
+        for lr in args.parity_lrs
+        for wd in args.parity_weight_decays
     ]
     jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
     os.makedirs(args.output, exist_ok=True)

@@ -50,8 +50,7 @@ def test_bench_mqar_records_a_failed_job(tmp_path, monkeypatch):
 
 def test_bench_mqar_attention_positions_and_parity_subset(tmp_path):
     """--attn-positions rope,nope gives one attention model of each (NoPE is the default, unlabelled);
-    --parity-variants picks
-    variants whose names hold commas."""
+    --parity-variants picks variants whose names hold commas."""
     out = tmp_path / "recall"
     args = tiny_args(out) + ["--attn-positions", "rope,nope", "--parity-variants", "delta_net beta(0,2),mamba2 a(-1,1)"]
     assert bench_mqar.main(args) == 0
@@ -104,11 +103,18 @@ def test_bench_mqar_parity_weight_decay_sweep(tmp_path):
 
 
 def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
-    """A negative weight decay, a non-positive lr or a non-number is a usage error naming the flag."""
+    """A negative weight decay, a non-positive lr or length, or a non-number is a usage error
+    naming the flag."""
     import pytest
 
     out = tmp_path / "recall"
-    for flag, value in (("--parity-weight-decays", "0,-0.1"), ("--parity-lrs", "0"), ("--parity-lrs", "3e-3,x"), ("--mqar-lrs", "-1")):
+    for flag, value in (
+        ("--parity-weight-decays", "0,-0.1"),
+        ("--parity-lrs", "0"),
+        ("--parity-lrs", "3e-3,x"),
+        ("--mqar-lrs", "-1"),
+        ("--parity-eval-lengths", "40,0"),
+    ):
         with pytest.raises(SystemExit):
             bench_mqar.main(tiny_args(out) + [flag, value])
         assert flag in capsys.readouterr().err

@@ -121,6 +121,14 @@ def test_weight_decay_reaches_the_optimizer(monkeypatch):
         st.make_job("parity", "delta_net beta(0,2)", 1e-3, weight_decay=-0.1)
 
 
+def test_cli_state_rejects_bad_sweeps(capsys):
+    """A negative weight decay or a non-positive lr is a usage error naming its flag."""
+    for flag, value in (("--weight-decays", "0,-0.1"), ("--lrs", "1e-3,0")):
+        with pytest.raises(SystemExit):
+            main(["state", flag, value])
+        assert f"argument {flag}" in capsys.readouterr().err
+
+
 def _parity(label, neg):
     return st.run_job(
         dict(
