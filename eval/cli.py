@@ -179,7 +179,7 @@ def _state(args) -> int:
             raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
     jobs = [
         st.make_job(
-            task, label, lr, weight_decay=wd, seed=args.seed, d_model=args.d_model, num_layers=args.num_layers,
+            task, label, lr, weight_decay=wd, seed=seed, d_model=args.d_model, num_layers=args.num_layers,
             intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
             batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
             eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
@@ -189,6 +189,7 @@ def _state(args) -> int:
         for label in chosen
         for lr in args.lrs
         for wd in args.weight_decays
+        for seed in args.seeds
     ]
     for i, job in enumerate(jobs):
         job["index"] = i
@@ -301,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-lengths", type=parse_csv(int), default=[40, 64, 128, 256])
     p.add_argument("--eval-examples", type=int, default=512)
     p.add_argument("--eval-batch-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", type=parse_csv(int, at_least=0), default=[0],
+        help="comma-separated seeds (each run at every lr and weight decay; the table keeps the best run "
+        "and counts the seeds that solve the task)",
+    )  # fmt: skip
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument(
         "--max-minutes", type=float, help="training time budget per job; the lr schedule follows it"

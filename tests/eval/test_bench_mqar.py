@@ -12,7 +12,7 @@ def tiny_args(out) -> list[str]:
         "--output", str(out), "--jobs", "1", "--max-minutes", "0.002", "--mixers", "attn", "--mqar-lrs", "1e-3",
         "--batch-size", "4", "--d-model", "16", "--vocab-size", "64", "--train-configs", "16:2:8",
         "--test-configs", "16:2:4", "--parity-train-max", "6", "--parity-eval-lengths", "6,8", "--parity-lrs", "3e-3",
-        "--device", "cpu",
+        "--parity-seeds", "0", "--device", "cpu",
     ]
 
 
@@ -102,6 +102,19 @@ def test_bench_mqar_parity_weight_decay_sweep(tmp_path):
     assert "parity delta_net beta(0,2) wd=0:" in report and "parity delta_net beta(0,2) wd=0.1:" in report
 
 
+def test_bench_mqar_parity_seed_sweep(tmp_path):
+    """--parity-seeds runs every variant and lr at each seed; the check names the best run and how
+    many seeds solve parity."""
+    out = tmp_path / "recall"
+    args = tiny_args(out) + ["--only", "parity", "--parity-variants", "delta_net beta(0,2)", "--parity-seeds", "0,1,2"]
+    assert bench_mqar.main(args) == 0
+    results = json.loads((out / "recall.json").read_text())
+    assert sorted(r["seed"] for r in results) == [0, 1, 2]
+    report = (out / "recall.md").read_text()
+    assert "parity delta_net beta(0,2) wd=0.1: best run (lr 0.003, seed " in report
+    assert "of 3 seeds solve it" in report
+
+
 def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
     """A negative weight decay, a non-positive lr or length, or a non-number is a usage error
     naming the flag."""
@@ -114,6 +127,7 @@ def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
         ("--parity-lrs", "3e-3,x"),
         ("--mqar-lrs", "-1"),
         ("--parity-eval-lengths", "40,0"),
+        ("--parity-seeds", "0,-1"),
     ):
         with pytest.raises(SystemExit):
             bench_mqar.main(tiny_args(out) + [flag, value])

@@ -164,3 +164,47 @@ def test_delta_rule_with_negative_eigenvalues_learns_parity():
 def test_delta_rule_with_positive_eigenvalues_stays_near_chance():
     r = _parity("delta_net beta(0,1)", False)
     assert max(r["per_length"].values()) < 0.65, r["per_length"]
+
+
+def _result(label, lr, seed, per_length, wd=0.1):
+    return dict(task="parity", label=label, lr=lr, seed=seed, weight_decay=wd, train_max=40, steps=10,
+                chance=0.5, per_length=per_length)  # fmt: skip
+
+
+def test_best_run_over_seeds_and_seeds_solved():
+    """The score is the best run over lrs and seeds (Deletang et al.); a seed solves the task when
+    its best-lr run holds >= SOLVED at every length beyond training (L = 40 is not beyond)."""
+    label = "delta_net beta(0,2)"
+    results = [
+        _result(label, 1e-3, 0, {40: 1.0, 128: 0.70, 256: 0.60}),
+        _result(label, 3e-3, 0, {40: 1.0, 128: 1.00, 256: 0.995}),  # seed 0 solves it at its best lr
+        _result(label, 1e-3, 1, {40: 0.5, 128: 1.00, 256: 1.00}),  # solves beyond training, not at 40
+        _result(label, 3e-3, 1, {40: 1.0, 128: 0.99, 256: 0.98}),  # seed 1's best lr: does not solve
+        _result(label, 3e-3, 2, {40: 1.0, 128: 0.60, 256: 0.50}),
+        _result(label, 3e-3, 0, {40: 1.0, 128: 1.0, 256: 1.0}, wd=0.0),  # another weight decay: own row
+    ]
+    best = st.best_by_label(results)
+    assert best[("parity", label, 0.1)] is results[1]
+    assert best[("parity", label, 0.0)] is results[5]
+    solved = st.seeds_solved(results)
+    assert solved == {("parity", label, 0.1): (1, 3), ("parity", label, 0.0): (1, 1)}
+    # results read back from JSON have string lengths
+    loaded = json.loads(json.dumps(results))
+    assert st.seeds_solved(loaded) == solved
+    table = st.markdown_table(results)
+    assert "| best seed | seeds solved |" in table and "| 0 | 1/3 |" in table
+
+
+def test_cli_state_runs_every_seed(tmp_path, capsys):
+    """--seeds runs each variant and lr at every seed; a negative seed is a usage error."""
+    out = tmp_path / "state"
+    args = ["state", "--variants", "delta_net beta(0,2)", "--d-model", "16", "--intermediate-size", "0",
+            "--lrs", "1e-2", "--steps", "2", "--batch-size", "4", "--train-max", "6", "--eval-lengths", "6,8",
+            "--eval-examples", "4", "--device", "cpu", "--output", str(out)]  # fmt: skip
+    assert main(args + ["--seeds", "0,3"]) == 0
+    results = json.loads((out / "state_tracking.json").read_text())
+    assert sorted(r["seed"] for r in results) == [0, 3]
+    assert "/2 |" in (out / "state_tracking.md").read_text()
+    with pytest.raises(SystemExit):
+        main(args + ["--seeds", "0,-1"])
+    assert "argument --seeds" in capsys.readouterr().err
