@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-configs", type=mqar.parse_configs, default=mqar.TRAIN_CONFIGS)
     p.add_argument("--test-configs", type=mqar.parse_configs, default=mqar.TEST_CONFIGS)
     p.add_argument("--parity-train-max", type=int, default=40)
+    p.add_argument("--parity-layers", type=int, default=2, help="blocks of the parity model")
+    p.add_argument(
+        "--parity-mlp", type=int, default=128, help="MLP width of the parity model's blocks (0: no MLP)"
+    )  # fmt: skip
     p.add_argument("--parity-eval-lengths", type=parse_csv(int, above=0), default=[40, 64, 128, 256])
     p.add_argument("--device")
     args = p.parse_args(argv)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
         # and fell to 0.71 at L = 256)
         st.make_job(
-            "parity", label, lr, weight_decay=wd, seed=seed, steps=10**7, train_max=args.parity_train_max,
+            "parity", label, lr, weight_decay=wd, seed=seed, num_layers=args.parity_layers,
+            intermediate_size=args.parity_mlp, steps=10**7, train_max=args.parity_train_max,
             eval_lengths=args.parity_eval_lengths, eval_examples=2048, eval_batch_size=512, max_seconds=budget,
             amp=False,
         )  # fmt: skip
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     env = (
         f"{datetime.date.today()}, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, "
         f"torch {torch.__version__}, Python {platform.python_version()}, {args.jobs} jobs sharing the device, "
-        f"{args.max_minutes} min training per job"
+        f"{args.max_minutes} min training per job; parity model: {args.parity_layers} blocks of d_model 64, "
+        f"MLP width {args.parity_mlp}"
     )
     report = "\n\n".join(
         [

@@ -103,13 +103,15 @@ def test_bench_mqar_parity_weight_decay_sweep(tmp_path):
 
 
 def test_bench_mqar_parity_seed_sweep(tmp_path):
-    """--parity-seeds runs every variant and lr at each seed; the check names the best run and how
-    many seeds solve parity."""
+    """--parity-seeds runs every variant and lr at each seed (--parity-layers / --parity-mlp shape
+    the model); the check names the best run and how many seeds solve parity."""
     out = tmp_path / "recall"
-    args = tiny_args(out) + ["--only", "parity", "--parity-variants", "delta_net beta(0,2)", "--parity-seeds", "0,1,2"]
+    args = tiny_args(out) + ["--only", "parity", "--parity-variants", "delta_net beta(0,2)", "--parity-seeds", "0,1,2",
+                             "--parity-layers", "1", "--parity-mlp", "0"]  # fmt: skip
     assert bench_mqar.main(args) == 0
     results = json.loads((out / "recall.json").read_text())
     assert sorted(r["seed"] for r in results) == [0, 1, 2]
+    assert {(r["num_layers"], r["intermediate_size"]) for r in results} == {(1, 0)}
     report = (out / "recall.md").read_text()
     assert "parity delta_net beta(0,2) wd=0.1: best run (lr 0.003, seed " in report
     assert "of 3 seeds solve it" in report
