@@ -284,12 +284,14 @@ def markdown_table(results: list[dict]) -> str:
         return "(no state-tracking runs finished)"
     best, solved = best_by_label(results), seeds_solved(results)
     lengths = list(results[0]["per_length"])
-    head = ["task", "model", "weight decay", "best lr", "best seed", "seeds solved", "steps", "chance"]
+    head = ["task", "model", "blocks", "MLP", "weight decay", "best lr", "best seed", "seeds solved", "steps"]
+    head += ["chance"]
     head += [f"L={n}" for n in lengths]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, r in sorted(best.items()):
         task, label, wd = key
-        cells = [task, label, f"{wd:g}", f"{r['lr']:.1e}", str(r["seed"]), "{}/{}".format(*solved[key])]
+        cells = [task, label, str(r["num_layers"]), str(r["intermediate_size"]), f"{wd:g}", f"{r['lr']:.1e}"]
+        cells += [str(r["seed"]), "{}/{}".format(*solved[key])]
         cells += [str(r["steps"]), f"{r['chance']:.2f}"] + [f"{r['per_length'][n]:.3f}" for n in lengths]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

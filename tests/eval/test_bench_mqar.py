@@ -117,6 +117,19 @@ def test_bench_mqar_parity_seed_sweep(tmp_path):
     assert "of 3 seeds solve it" in report
 
 
+def test_bench_mqar_parity_model_per_family(tmp_path):
+    """Without --parity-layers / --parity-mlp each family gets its parity model of PARITY_SHAPES;
+    the flags override it for every family, one at a time."""
+    out = tmp_path / "recall"
+    base = tiny_args(out) + ["--only", "parity", "--parity-variants", "delta_net beta(0,2),mamba2 a(-1,1)"]
+    assert bench_mqar.main(base) == 0
+    shapes = {r["mixer"]: (r["num_layers"], r["intermediate_size"]) for r in json.loads((out / "recall.json").read_text())}
+    assert shapes == {m: bench_mqar.PARITY_SHAPES[m] for m in ("delta_net", "mamba2")}
+    assert bench_mqar.main(base + ["--parity-mlp", "32"]) == 0
+    shapes = {r["mixer"]: (r["num_layers"], r["intermediate_size"]) for r in json.loads((out / "recall.json").read_text())}
+    assert shapes == {"delta_net": (bench_mqar.PARITY_SHAPES["delta_net"][0], 32), "mamba2": (bench_mqar.PARITY_SHAPES["mamba2"][0], 32)}
+
+
 def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
     """A negative weight decay, a non-positive lr or length, or a non-number is a usage error
     naming the flag."""
@@ -130,6 +143,8 @@ def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):
         ("--mqar-lrs", "-1"),
         ("--parity-eval-lengths", "40,0"),
         ("--parity-seeds", "0,-1"),
+        ("--parity-layers", "0"),
+        ("--parity-mlp", "-1"),
     ):
         with pytest.raises(SystemExit):
             bench_mqar.main(tiny_args(out) + [flag, value])

@@ -168,7 +168,7 @@ def test_delta_rule_with_positive_eigenvalues_stays_near_chance():
 
 def _result(label, lr, seed, per_length, wd=0.1):
     return dict(task="parity", label=label, lr=lr, seed=seed, weight_decay=wd, train_max=40, steps=10,
-                chance=0.5, per_length=per_length)  # fmt: skip
+                chance=0.5, per_length=per_length, num_layers=1, intermediate_size=0)  # fmt: skip
 
 
 def test_best_run_over_seeds_and_seeds_solved():
@@ -192,7 +192,7 @@ def test_best_run_over_seeds_and_seeds_solved():
     loaded = json.loads(json.dumps(results))
     assert st.seeds_solved(loaded) == solved
     table = st.markdown_table(results)
-    assert "| best seed | seeds solved |" in table and "| 0 | 1/3 |" in table
+    assert "| blocks | MLP |" in table and "| best seed | seeds solved |" in table and "| 0 | 1/3 |" in table
 
 
 def test_cli_state_runs_every_seed(tmp_path, capsys):
