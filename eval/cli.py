@@ -177,20 +177,23 @@ def _state(args) -> int:
     for task in args.task:
         if task not in st.TASKS:
             raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
-    jobs = [
-        st.make_job(
-            task, label, lr, weight_decay=wd, seed=seed, d_model=args.d_model, num_layers=args.num_layers,
-            intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
-            batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
-            eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
-            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
-        )  # fmt: skip
-        for task in args.task
-        for label in chosen
-        for lr in args.lrs
-        for wd in args.weight_decays
-        for seed in args.seeds
-    ]
+    try:
+        jobs = [
+            st.make_job(
+                task, label, lr, weight_decay=wd, seed=seed, d_model=args.d_model, num_layers=args.num_layers,
+                intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
+                batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
+                eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
+                max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
+            )  # fmt: skip
+            for task in args.task
+            for label in chosen
+            for lr in args.lrs
+            for wd in args.weight_decays
+            for seed in args.seeds
+        ]
+    except ValueError as e:  # a bad model size, named by its make_job argument
+        raise SystemExit(f"ttr eval state: {e}") from None
     for i, job in enumerate(jobs):
         job["index"] = i
     results = run_jobs(st.run_job, jobs, args.jobs)
@@ -288,8 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="';'-separated variant labels (default: all)",
     )
     p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument(
+        "--num-layers", type=int, help="blocks (default: parity 1 for the delta rules, 2 for Mamba2; other tasks 2)"
+    )  # fmt: skip
+    p.add_argument(
+        "--intermediate-size", type=int, help="MLP width, 0 for none (default: parity 0 for the delta rules; else 128)"
+    )  # fmt: skip
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--lrs", type=parse_csv(float, above=0), default=[1e-3, 3e-3])
     p.add_argument(

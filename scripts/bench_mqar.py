@@ -5,9 +5,9 @@ and attention (conv, no position encoding; ``--attn-positions rope`` adds RoPE),
 rules at Mamba2's state size (``DEFAULT_VARIANTS``, or ``--variant``), each at a few learning
 rates; parity for DeltaNet / Gated DeltaNet with beta in
 (0, 1) and (0, 2) and for Mamba2 with a in (0, 1) and (-1, 1), each family with its own parity
-model (``PARITY_SHAPES``). Every job trains for ``--max-minutes`` (the lr schedule follows
-the clock, see ``ttr.eval.synthetic.train``) in one of ``--jobs`` processes sharing the GPU(s),
-so the whole run takes about ``max_minutes`` plus start-up and evaluation.
+model (``state_tracking.PARITY_SHAPES``). Every job trains for ``--max-minutes`` (the lr schedule
+follows the clock, see ``ttr.eval.synthetic.train``) in one of ``--jobs`` processes sharing the
+GPU(s), so the whole run takes about ``max_minutes`` plus start-up and evaluation.
 
 Parity jobs run at every ``--parity-lrs`` (default 3e-3, 6e-3), ``--parity-weight-decays``
 (default 0.1) and ``--parity-seeds`` (default 0, 1, 2); as in Deletang et al. the table keeps the
@@ -44,12 +44,6 @@ MQAR_TARGETS = {"gated_deltanet": 0.99, "delta_net": 0.96, "gla": 0.77, "mamba2"
 # Mamba2 with a in (0, 1) / (-1, 1)
 PARITY_VARIANTS = tuple(label for label, _, _ in st.VARIANTS)
 NEGATIVE_EIGENVALUES = ("beta(0,2)", "a(-1,1)")  # the variants that must solve parity
-# The parity model per family, (blocks, MLP width), from the seed sweeps of docs/benchmarks.md
-# (parity, session 10): one delta-rule block without an MLP solves parity beyond training in 5 of
-# 5 seeds (Gated DeltaNet) and 4 of 5 (DeltaNet), two blocks with an MLP in 1 of 4 each; a single
-# Mamba2 block does not even fit the training lengths (its dt scales both the decay and the input),
-# so Mamba2 keeps two blocks with an MLP. --parity-layers / --parity-mlp override every family.
-PARITY_SHAPES = {"delta_net": (1, 0), "gated_deltanet": (1, 0), "mamba2": (2, 128)}
 # The delta rules with the state of the default Mamba2 model (65536 elements over two layers):
 # keys of 256 dims at values of 128. A delta-rule state stores at most K linearly independent
 # keys exactly, so the default K = 128 cannot hold the 256 pairs of (1024, 256); see
@@ -124,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-configs", type=mqar.parse_configs, default=mqar.TRAIN_CONFIGS)
     p.add_argument("--test-configs", type=mqar.parse_configs, default=mqar.TEST_CONFIGS)
     p.add_argument("--parity-train-max", type=int, default=40)
-    p.add_argument("--parity-layers", type=int, help=f"blocks of the parity models (default per family: {PARITY_SHAPES})")
+    p.add_argument(
+        "--parity-layers", type=int, help=f"blocks of the parity models (default per family: {st.PARITY_SHAPES})"
+    )  # fmt: skip
     p.add_argument("--parity-mlp", type=int, help="MLP width of the parity models' blocks (0: no MLP; default per family)")
     p.add_argument("--parity-eval-lengths", type=parse_csv(int, above=0), default=[40, 64, 128, 256])
     p.add_argument("--device")
@@ -164,18 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--parity-layers: expected >= 1, got {args.parity_layers}")
     if args.parity_mlp is not None and args.parity_mlp < 0:
         p.error(f"--parity-mlp: expected >= 0, got {args.parity_mlp}")
-    mixer_of = {label: mixer for label, mixer, _ in st.VARIANTS}
-    shape = {}
-    for label in variants:
-        layers, mlp = PARITY_SHAPES[mixer_of[label]]
-        shape[label] = (args.parity_layers or layers, mlp if args.parity_mlp is None else args.parity_mlp)
     parity_jobs = [
         # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
         # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
         # and fell to 0.71 at L = 256)
         st.make_job(
-            "parity", label, lr, weight_decay=wd, seed=seed, num_layers=shape[label][0],
-            intermediate_size=shape[label][1], steps=10**7, train_max=args.parity_train_max,
+            "parity", label, lr, weight_decay=wd, seed=seed, num_layers=args.parity_layers,
+            intermediate_size=args.parity_mlp, steps=10**7, train_max=args.parity_train_max,
             eval_lengths=args.parity_eval_lengths, eval_examples=2048, eval_batch_size=512, max_seconds=budget,
             amp=False,
         )  # fmt: skip

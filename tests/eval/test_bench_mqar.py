@@ -124,10 +124,10 @@ def test_bench_mqar_parity_model_per_family(tmp_path):
     base = tiny_args(out) + ["--only", "parity", "--parity-variants", "delta_net beta(0,2),mamba2 a(-1,1)"]
     assert bench_mqar.main(base) == 0
     shapes = {r["mixer"]: (r["num_layers"], r["intermediate_size"]) for r in json.loads((out / "recall.json").read_text())}
-    assert shapes == {m: bench_mqar.PARITY_SHAPES[m] for m in ("delta_net", "mamba2")}
+    assert shapes == {m: st.PARITY_SHAPES[m] for m in ("delta_net", "mamba2")}
     assert bench_mqar.main(base + ["--parity-mlp", "32"]) == 0
     shapes = {r["mixer"]: (r["num_layers"], r["intermediate_size"]) for r in json.loads((out / "recall.json").read_text())}
-    assert shapes == {"delta_net": (bench_mqar.PARITY_SHAPES["delta_net"][0], 32), "mamba2": (bench_mqar.PARITY_SHAPES["mamba2"][0], 32)}
+    assert shapes == {"delta_net": (st.PARITY_SHAPES["delta_net"][0], 32), "mamba2": (st.PARITY_SHAPES["mamba2"][0], 32)}
 
 
 def test_bench_mqar_rejects_bad_parity_sweeps(tmp_path, capsys):

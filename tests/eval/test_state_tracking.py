@@ -208,3 +208,18 @@ def test_cli_state_runs_every_seed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(args + ["--seeds", "0,-1"])
     assert "argument --seeds" in capsys.readouterr().err
+
+
+def test_model_shape_per_task_and_family(capsys):
+    """Parity gets one block without an MLP for the delta rules and two blocks with one for
+    Mamba2; other tasks two blocks with an MLP; explicit sizes win, and bad ones are refused."""
+    shape = lambda job: (job["num_layers"], job["intermediate_size"])  # noqa: E731
+    assert shape(st.make_job("parity", "gated_deltanet beta(0,2)", 1e-3)) == (1, 0)
+    assert shape(st.make_job("parity", "delta_net beta(0,1)", 1e-3)) == (1, 0)
+    assert shape(st.make_job("parity", "mamba2 a(-1,1)", 1e-3)) == (2, 128)
+    assert shape(st.make_job("modular_arithmetic", "delta_net beta(0,2)", 1e-3)) == st.DEFAULT_SHAPE
+    assert shape(st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=3, intermediate_size=64)) == (3, 64)
+    with pytest.raises(ValueError, match="num_layers"):
+        st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=0)
+    with pytest.raises(SystemExit, match="num_layers"):
+        main(["state", "--num-layers", "0"])
