@@ -304,9 +304,8 @@ def markdown_table(results: list[dict]) -> str:
         return "(no state-tracking runs finished)"
     best, solved = best_by_label(results), seeds_solved(results)
     lengths = list(results[0]["per_length"])
-    head = ["task", "model", "blocks", "MLP", "weight decay", "best lr", "best seed", "seeds solved", "steps"]
-    head += ["chance"]
-    head += [f"L={n}" for n in lengths]
+    head = ["task", "model", "blocks", "MLP", "weight decay", "best lr", "best seed", "seeds solved"]
+    head += ["steps", "chance", *[f"L={n}" for n in lengths]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, r in sorted(best.items()):
         task, label, wd = key

@@ -13,8 +13,8 @@ Parity jobs run at every ``--parity-lrs`` (default 3e-3, 6e-3), ``--parity-weigh
 (default 0.1) and ``--parity-seeds`` (default 0, 1, 2); as in Deletang et al. the table keeps the
 best run over lrs and seeds per (variant, weight decay), and counts the seeds that solve parity
 (each at its best lr). How far parity holds beyond the training lengths depends on the seed and
-on the steps a job gets: about four jobs per H200 gave 16 - 17K steps in 6.5 - 7.5 minutes
-(docs/benchmarks.md, parity, session 9).
+on the steps a job gets: 8 - 10 jobs per H200 gave 15 - 22K steps in 7 minutes, and the default
+parity sweep (36 jobs) ran on four H200s with ``--jobs 36`` (docs/benchmarks.md, parity, session 10).
 
     python -m ttr.scripts.bench_mqar --output OUT [--jobs 15] [--max-minutes 5] [--only all|mqar|parity]
 
