@@ -156,25 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         for mixer, overrides in models
         for lr in args.mqar_lrs
     ]
-    if args.parity_layers is not None and args.parity_layers < 1:
-        p.error(f"--parity-layers: expected >= 1, got {args.parity_layers}")
-    if args.parity_mlp is not None and args.parity_mlp < 0:
-        p.error(f"--parity-mlp: expected >= 0, got {args.parity_mlp}")
-    parity_jobs = [
-        # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
-        # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
-        # and fell to 0.71 at L = 256)
-        st.make_job(
-            "parity", label, lr, weight_decay=wd, seed=seed, num_layers=args.parity_layers,
-            intermediate_size=args.parity_mlp, steps=10**7, train_max=args.parity_train_max,
-            eval_lengths=args.parity_eval_lengths, eval_examples=2048, eval_batch_size=512, max_seconds=budget,
-            amp=False,
-        )  # fmt: skip
-        for label in variants
-        for lr in args.parity_lrs
-        for wd in args.parity_weight_decays
-        for seed in args.parity_seeds
-    ]
+    try:
+        parity_jobs = [
+            # fp32 rather than bf16 autocast: the learned sign flips must compose over up to 256 steps,
+            # far beyond the training lengths (under bf16 on 2026-11-21 beta(0, 2) held 1.0 to L = 64
+            # and fell to 0.71 at L = 256)
+            st.make_job(
+                "parity", label, lr, weight_decay=wd, seed=seed, num_layers=args.parity_layers,
+                intermediate_size=args.parity_mlp, steps=10**7, train_max=args.parity_train_max,
+                eval_lengths=args.parity_eval_lengths, eval_examples=2048, eval_batch_size=512, max_seconds=budget,
+                amp=False,
+            )  # fmt: skip
+            for label in variants
+            for lr in args.parity_lrs
+            for wd in args.parity_weight_decays
+            for seed in args.parity_seeds
+        ]
+    except ValueError as e:  # make_job checks the model size once, for every caller
+        p.error(f"--parity-layers / --parity-mlp: {e}")
     jobs = (mqar_jobs if args.only != "parity" else []) + (parity_jobs if args.only != "mqar" else [])
     os.makedirs(args.output, exist_ok=True)
     for i, job in enumerate(jobs):
