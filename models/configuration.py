@@ -23,7 +23,16 @@ named by ``layer_types[i]`` (see ``ttr.models.layers.LAYER_TYPES``) and, unless
   causal mask and any short conv, which lets content lookups run past the trained lengths);
   ``swa`` attends to the last ``window_size`` tokens; ``attn_short_conv`` puts a causal short conv
   of width ``conv_size`` on their q, k and v (off by default, as in Transformer++; the MQAR
-  models turn it on).
+  models turn it on); ``attn_qkv_bias`` / ``attn_o_bias`` add biases to the q/k/v and output
+  projections (Llama's ``attention_bias`` sets both, fla's ``qkv_bias`` the first).
+* ``mlp_bias``: biases on the SwiGLU projections (Llama's ``mlp_bias``).
+* Mamba2 source options: ``mamba_dt_limit`` (``[low, high]`` clamp of the time step after the
+  softplus, ``None``: no clamp), ``mamba_proj_bias`` (biases on ``in_proj``/``out_proj``),
+  ``mamba_conv_bias``; GLA: ``gla_gate_clamp_min`` (lower clamp of the log forget gate).
+* ``initializer_scheme``: ``"reference"`` (default) initialises every layer as the reference
+  implementation of its family does (see ``TTRPreTrainedModel._init_weights``);
+  ``"depth_scaled"`` draws every matrix from N(0, ``initializer_range``) and scales the residual
+  output projections by 1/sqrt(number of residual branches) (GPT-2, Radford et al. 2019).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from transformers import PretrainedConfig
 from .layers import LAYER_TYPES
 
 MAX_HEAD_DIM = 256
+INITIALIZER_SCHEMES = ("reference", "depth_scaled")
 LINEAR_TYPES = ("gla", "delta_net", "gated_deltanet")
 ATTENTION_TYPES = ("swa", "attn")
 
@@ -74,10 +84,18 @@ class TTRConfig(PretrainedConfig):
         attn_head_dim: int | None = None,
         window_size: int = 2048,
         attn_short_conv: bool = False,
+        attn_qkv_bias: bool = False,
+        attn_o_bias: bool = False,
+        mlp_bias: bool = False,
+        mamba_dt_limit: tuple[float, float] | list[float] | None = None,
+        mamba_proj_bias: bool = False,
+        mamba_conv_bias: bool = True,
+        gla_gate_clamp_min: float | None = None,
         rope_theta: float | None = 10000.0,
         max_position_embeddings: int = 2048,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
+        initializer_scheme: str = "reference",
         tie_word_embeddings: bool = False,
         fuse_cross_entropy: bool = True,
         use_cache: bool = True,
@@ -117,10 +135,18 @@ class TTRConfig(PretrainedConfig):
         )
         self.window_size = window_size
         self.attn_short_conv = attn_short_conv
+        self.attn_qkv_bias = attn_qkv_bias
+        self.attn_o_bias = attn_o_bias
+        self.mlp_bias = mlp_bias
+        self.mamba_dt_limit = list(mamba_dt_limit) if mamba_dt_limit is not None else None
+        self.mamba_proj_bias = mamba_proj_bias
+        self.mamba_conv_bias = mamba_conv_bias
+        self.gla_gate_clamp_min = gla_gate_clamp_min
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
+        self.initializer_scheme = initializer_scheme
         self.fuse_cross_entropy = fuse_cross_entropy
         self.use_cache = use_cache
         super().__init__(
@@ -173,6 +199,10 @@ class TTRConfig(PretrainedConfig):
             raise ValueError(
                 f"layer_types has unknown layer type(s) {unknown}; expected one of {sorted(LAYER_TYPES)}"
             )
+        if self.initializer_scheme not in INITIALIZER_SCHEMES:
+            raise ValueError(
+                f"initializer_scheme must be one of {list(INITIALIZER_SCHEMES)}, got {self.initializer_scheme!r}"
+            )
         if self.intermediate_size < 0:
             raise ValueError(f"intermediate_size must be >= 0 (0 = no MLP), got {self.intermediate_size}")
         used = set(self.layer_types)
@@ -192,6 +222,10 @@ class TTRConfig(PretrainedConfig):
             raise ValueError(f"conv_size must be in 2..4, got {self.conv_size}")
         if "gla" in used:
             _positive("gla_gate_low_rank_dim", self.gla_gate_low_rank_dim)
+            if self.gla_gate_clamp_min is not None and not self.gla_gate_clamp_min < 0:
+                raise ValueError(
+                    f"gla_gate_clamp_min must be None or < 0 (a log gate), got {self.gla_gate_clamp_min}"
+                )
             if self.gla_gate_logit_normalizer <= 0:
                 raise ValueError(
                     f"gla_gate_logit_normalizer must be > 0, got {self.gla_gate_logit_normalizer}"
@@ -212,6 +246,9 @@ class TTRConfig(PretrainedConfig):
                 raise ValueError(
                     f"mamba_a_init_range must satisfy 0 < low <= high, got {self.mamba_a_init_range}"
                 )
+            limit = self.mamba_dt_limit
+            if limit is not None and (len(limit) != 2 or not 0 <= limit[0] < limit[1]):
+                raise ValueError(f"mamba_dt_limit must be None or [low, high] with 0 <= low < high, got {limit}")
         if used & {"mamba2", "gated_deltanet"} and not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min}, dt_max={self.dt_max}")
         if used & set(ATTENTION_TYPES):

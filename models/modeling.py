@@ -39,7 +39,7 @@ class TTRBlock(GradientCheckpointingLayer):
         self.mixer = LAYER_TYPES[config.layer_types[layer_idx]](config, layer_idx)
         if config.intermediate_size > 0:
             self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         else:
             self.mlp_norm = self.mlp = None
 
@@ -73,22 +73,35 @@ class TTRPreTrainedModel(PreTrainedModel):
     _is_stateful = True
 
     def _init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module`` by ``config.initializer_scheme``.
+
+        ``"reference"`` follows the reference implementation of each family: fla 0.6.0 (GLA,
+        DeltaNet, Gated DeltaNet) and HF Llama (attention, SwiGLU) draw every matrix, short convs
+        included (fla's short conv is an ``nn.Conv1d``), from N(0, ``initializer_range``) with no
+        depth scaling; Mamba2 layers re-initialise their own projections and conv as mamba_ssm
+        does (``Mamba2.init_mixer_weights``). ``"depth_scaled"`` scales the residual output
+        projections by 1/sqrt(number of residual branches) so the residual stream's variance does
+        not grow with depth (GPT-2, Radford et al. 2019) and keeps nn.Conv1d's uniform conv init.
+        Mixer parameters beyond matrices (decays, time steps) come from ``init_mixer_weights``.
+        """
         cfg = self.config
         std = cfg.initializer_range
+        reference = cfg.initializer_scheme == "reference"
         if isinstance(module, nn.Linear):
-            if getattr(module, "_residual_out", False):
-                # GPT-2 scheme (Radford et al. 2019): residual output projections scaled by
-                # 1/sqrt(number of residual branches) so the residual stream's variance does not
-                # grow with depth.
-                branches = cfg.num_hidden_layers * (2 if cfg.intermediate_size > 0 else 1)
-                std = std / math.sqrt(branches)
+            if not reference and getattr(module, "_residual_out", False):
+                std = std / math.sqrt(cfg.num_hidden_layers * (2 if cfg.intermediate_size > 0 else 1))
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, ShortConv):
-            module.init_conv_weights(init)
+            if reference:
+                init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    init.zeros_(module.bias)
+            else:
+                module.init_conv_weights(init)
         elif isinstance(module, (RMSNorm, GatedRMSNorm)):
             init.ones_(module.weight)
         if hasattr(module, "init_mixer_weights"):

@@ -45,11 +45,11 @@ class GatedRMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv:2002.05202)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

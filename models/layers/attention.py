@@ -66,10 +66,11 @@ class Attention(nn.Module):
             config.attn_head_dim,
         )
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        qkv_bias = config.attn_qkv_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.attn_o_bias)
         self.o_proj._residual_out = True
         widths = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         self.convs = (

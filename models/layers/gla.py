@@ -7,6 +7,7 @@ Per head: ``S_t = Diag(a_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t / sqrt(K)``
   logsigmoid(.) / 16``: the normaliser tau = 16 keeps the gates close to 1 (paper Sec. 4.4).
 * output: per-head RMSNorm gated by ``silu(W_r x_t)`` (paper Eq. 6 uses Swish(r_t) with a
   LayerNorm over heads; the released models use RMSNorm), then the output projection.
+* ``gla_gate_clamp_min``: an optional floor on the log gate (fla's ``clamp_min``).
 * optional short conv on q, k, v (not in the paper; shared with the delta-rule mixers).
 """
 
@@ -35,6 +36,8 @@ class GatedLinearAttention(LinearMixer):
         decoding = layer_cache is not None and t == 1
         q, k, v = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
         gk = F.logsigmoid(self.gk_up(self.gk_down(x)).float()) / self.config.gla_gate_logit_normalizer
+        if self.config.gla_gate_clamp_min is not None:
+            gk = gk.clamp_min(self.config.gla_gate_clamp_min)
         k, v, gk = mask_tokens(mask, k, v, gk.view(b, t, self.num_heads, self.head_k))
         o = self.run_kernel(ops.chunk_gla, ops.recurrent_gla, q, k, v, gk,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)

@@ -11,6 +11,8 @@ Per head: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + 
   initialisation of the authors' release.
 * output: ``RMSNorm(y * silu(z))`` per group (gate before the norm, paper Sec. 7.3), then the
   output projection.
+* ``mamba_dt_limit`` clamps ``dt`` after the softplus (mamba_ssm's ``dt_limit``); biases on the
+  projections and the conv follow ``mamba_proj_bias`` / ``mamba_conv_bias``.
 * ``allow_neg_eigval``: the transition ``a_t = 2 exp(dt_t A) - 1`` ranges over (-1, 1) instead of
   (0, 1), Grazzi et al. 2024 (arXiv:2411.12537, Sec. 4), which lets the layer track parity. The
   log-space kernels take ``log|a_t|``; the sign is carried by the transform in
@@ -18,6 +20,8 @@ Per head: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +77,8 @@ class Mamba2(nn.Module):
         self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
         self.n_groups, self.state_size = config.mamba_n_groups, config.mamba_state_size
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.state_size
-        self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
-        self.conv = ShortConv(self.conv_dim, config.conv_size, bias=True)
+        self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias)
+        self.conv = ShortConv(self.conv_dim, config.conv_size, bias=config.mamba_conv_bias)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
@@ -82,11 +86,26 @@ class Mamba2(nn.Module):
             p._no_weight_decay = True
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
         self.eps = config.rms_norm_eps
-        self.out_proj = nn.Linear(self.d_inner, d, bias=False)
+        self.out_proj = nn.Linear(self.d_inner, d, bias=config.mamba_proj_bias)
         self.out_proj._residual_out = True
 
     def init_mixer_weights(self, init) -> None:
         cfg = self.config
+        if cfg.initializer_scheme == "reference":
+            # mamba_ssm's initialisation (the authors' release): projections and conv keep
+            # PyTorch's defaults, kaiming-uniform with a = sqrt(5), i.e. U(+-1/sqrt(fan_in)) (conv
+            # bias included); the output projection is then divided by sqrt(number of residual
+            # branches) (its rescale_prenorm_residual); Linear biases start at zero.
+            branches = cfg.num_hidden_layers * (2 if cfg.intermediate_size > 0 else 1)
+            for linear, scale in ((self.in_proj, 1.0), (self.out_proj, 1.0 / math.sqrt(branches))):
+                bound = scale / math.sqrt(linear.in_features)
+                init.uniform_(linear.weight, -bound, bound)
+                if linear.bias is not None:
+                    init.zeros_(linear.bias)
+            bound = 1.0 / math.sqrt(self.conv.weight.shape[1])
+            init.uniform_(self.conv.weight, -bound, bound)
+            if self.conv.bias is not None:
+                init.uniform_(self.conv.bias, -bound, bound)
         lo, hi = cfg.mamba_a_init_range
         a = torch.empty(self.num_heads, dtype=torch.float32, device=self.A_log.device).uniform_(lo, hi)
         init.copy_(self.A_log, torch.log(a))
@@ -131,6 +150,8 @@ class Mamba2(nn.Module):
         bm = bm.reshape(b, t, self.n_groups, self.state_size)
         cm = cm.reshape(b, t, self.n_groups, self.state_size)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.config.mamba_dt_limit is not None:
+            dt = dt.clamp(*self.config.mamba_dt_limit)
         # dt = 0 at padded positions: no decay (exp(0) = 1) and no input (B dt x = 0).
         (dt,) = mask_tokens(mask, dt)
         a = -self.A_log.float().exp()

@@ -1,0 +1,477 @@
+"""Quality parity: every ttr family trained next to its reference implementation.
+
+    python -m ttr.scripts.bench_parity [--families gated_deltanet,delta_net,gla,mamba2,transformer,
+        gated_deltanet_h1] [--size 340m] [--steps 1000] [--batch 8] [--seq-len 2048] [--out DIR]
+    python -m ttr.scripts.bench_parity --report DIR [DIR ...] [--plot parity.png]
+
+For each family, the ttr preset ``<family>-<size>`` and the reference model of the same shape
+(``ttr.scripts.reference_models``: fla 0.6.0, HF Llama, HF Mamba2) are trained in one process,
+one after the other, from their own default initialisations, on the same batches in the same
+order with the same recipe: AdamW (0.9, 0.95), peak lr 1e-3 after 30 linear warm-up steps, cosine
+to 1e-4, weight decay 0.1 on matrices (parameters with two or more dims), gradient clipping at
+1.0, bf16 autocast over fp32 weights, loss = mean next-token cross-entropy (the models' own).
+
+Data, offline: the Python source files of the running interpreter (standard library and
+site-packages), in a seeded file order; files whose path hashes to 0 mod 50 are held out for
+validation. The tokenizer is ttr's embedded BPE (8192 pieces, trained on the standard library).
+Documents are joined with EOS and cut into plain ``[batch, seq_len]`` rows (no packing
+metadata), so every model sees exactly the same tokens.
+
+Before training, fla's and HF's gradients are compared with ttr's on the reference's own
+initial weights (converted by ``ttr.models.convert``), under the same bf16 autocast: this checks
+the conversion and the reference kernels on the GPU at hand (fla 0.6.0 refuses its gated backward on Hopper with
+Triton < 3.7.1, its issue #640; the guard is lifted here and this check says whether its
+gradients are right at these shapes).
+
+Each run writes ``<out>/<family>.<ttr|reference>.json`` (loss per step, validation loss every ``--val-every``
+steps, gradient norm at step 0, tokens/s, peak memory); ``--report`` merges such files into the
+markdown table of ``docs/benchmarks.md`` and a plot of the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FAMILIES = ["gated_deltanet", "delta_net", "gla", "mamba2", "transformer", "gated_deltanet_h1"]
+REFERENCE_NAMES = {
+    "gated_deltanet": "fla 0.6.0 GatedDeltaNetForCausalLM",
+    "delta_net": "fla 0.6.0 DeltaNetForCausalLM",
+    "gla": "fla 0.6.0 GLAForCausalLM",
+    "gated_deltanet_h1": "fla 0.6.0 GatedDeltaNetForCausalLM + SWA layers",
+    "mamba2": "HF Mamba2ForCausalLM",
+    "transformer": "HF LlamaForCausalLM (SDPA)",
+}
+TARGET = 1.01
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+MAX_FILE_BYTES = 200_000
+
+
+def source_files() -> list[str]:
+    """Every ``.py`` file of the interpreter's library folders, except files over
+    ``MAX_FILE_BYTES``: those are generated tables (unicode data, lexers, vendored bundles) whose
+    tens of thousands of look-alike lines would fill many consecutive batches."""
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    files = set()
+    for root in roots:
+        for p in Path(root).rglob("*.py"):
+            if "__pycache__" not in p.parts and p.is_file() and p.stat().st_size <= MAX_FILE_BYTES:
+                files.add(str(p))
+    return sorted(files)
+
+
+def _encode_file(path: str) -> np.ndarray:
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return np.asarray(_TOKENIZER.encode(text) + [_TOKENIZER.eos_id], dtype=np.int32)
+
+
+_TOKENIZER = None
+
+
+def _init_worker(tokenizer) -> None:
+    global _TOKENIZER
+    _TOKENIZER = tokenizer
+
+
+def build_tokenizer():
+    from ttr.train.sources import EmbeddedSource
+    from ttr.train.tokenizer import load_tokenizer
+
+    src = EmbeddedSource()
+    return load_tokenizer("", texts=lambda: (src.get(i) for i in range(int(src.sizes.sum()))),
+                          fingerprint=src.fingerprint(), vocab_size=8192)
+
+
+def token_stream(files: list[str], tokenizer, need: int, workers: int) -> np.ndarray:
+    """Encode ``files`` in order until ``need`` tokens; returns them joined (EOS between files)."""
+    out, total = [], 0
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        for start in range(0, len(files), 256):
+            for ids in pool.map(_encode_file, files[start:start + 256], chunksize=8):
+                out.append(ids)
+                total += len(ids)
+            if total >= need:
+                break
+    if total < need:
+        raise ValueError(f"the corpus has {total:,} tokens, fewer than the {need:,} the run needs")
+    return np.concatenate(out)[:need]
+
+
+def build_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Training ``[steps, batch, seq_len]`` and validation ``[val_batches, batch, seq_len]`` tokens,
+    read from ``--data-cache`` when it holds this run's shape (several processes then share one
+    encoding pass)."""
+    cache = Path(args.data_cache) if args.data_cache else None
+    key = f"{args.seed}|{args.steps}|{args.batch}|{args.seq_len}|{args.val_batches}|{tokenizer.vocab_size}"
+    if cache is not None and cache.is_file():
+        data = np.load(cache)
+        if str(data["key"]) == key:
+            return data["train"], data["val"]
+    train, val = _encode_data(args, tokenizer)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.stem}.tmp{os.getpid()}.npz")
+        np.savez(tmp, train=train, val=val, key=key)
+        os.replace(tmp, cache)
+    return train, val
+
+
+def _encode_data(args, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    files = source_files()
+    random.Random(args.seed).shuffle(files)
+    val = [f for f in files if zlib.crc32(f.encode()) % 50 == 0]
+    train = [f for f in files if zlib.crc32(f.encode()) % 50 != 0]
+    rows = args.batch * args.seq_len
+    workers = max(1, min(16, os.cpu_count() or 1))
+    train_tokens = token_stream(train, tokenizer, args.steps * rows, workers)
+    val_tokens = token_stream(val, tokenizer, args.val_batches * rows, workers)
+    return (train_tokens.reshape(args.steps, args.batch, args.seq_len),
+            val_tokens.reshape(args.val_batches, args.batch, args.seq_len))
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def ttr_config(family: str, size: str, vocab_size: int):
+    from ttr.models.presets import get_preset
+
+    return get_preset(f"{family}-{size}", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, use_cache=False)
+
+
+def lift_fla_guard() -> bool:
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except ImportError:
+        return False
+    lifted = not chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return lifted
+
+
+def build(impl: str, config, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    from ttr.scripts.reference_models import build_reference, check_same_shape
+
+    torch.manual_seed(seed)
+    if impl == "ttr":
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = build_reference(config)
+        check_same_shape(config, model)
+    return model.cuda()
+
+
+def grad_check(config, batch: torch.Tensor, oracle: bool = False) -> dict:
+    """Loss and gradients of the reference and of ttr on the reference's initial weights, under
+    the training run's bf16 autocast (so the kernels checked are the ones that train). With
+    ``oracle``, both are also measured against ttr's chunked torch backend in fp32 without tf32
+    (exact products), which says which side a disagreement comes from."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from ttr.models.convert import convert_checkpoint, convert_state_dict
+
+    ref = build("reference", config, seed=1234)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(f"{tmp}/ref")
+        convert_checkpoint(f"{tmp}/ref", f"{tmp}/ttr")
+        mine = AutoModelForCausalLM.from_pretrained(f"{tmp}/ttr", dtype=torch.float32).cuda()
+    x = batch.cuda()
+    losses, grads = [], []
+    for model in (ref, mine):
+        model.train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    ref_grads = convert_state_dict(ref.config.model_type, grads[0])
+    names = [n for n in grads[1] if n in ref_grads]
+    errors = {n: ((ref_grads[n] - grads[1][n]).norm() / grads[1][n].norm().clamp_min(1e-30)).item() for n in names}
+    diff = torch.sqrt(sum((ref_grads[n] - grads[1][n]).square().sum() for n in names))
+    total = torch.sqrt(sum(grads[1][n].square().sum() for n in names))
+    worst = max(errors, key=errors.get)
+    result = {"loss_reference": losses[0], "loss_ttr": losses[1], "grad_rel_err_all": (diff / total).item(),
+              "grad_rel_err_max": errors[worst], "grad_worst": worst}
+    if oracle:
+        mine.zero_grad(set_to_none=True)
+        old_backend, old_tf32 = os.environ.get("TTR_KERNEL_BACKEND"), torch.backends.cuda.matmul.allow_tf32
+        os.environ["TTR_KERNEL_BACKEND"], torch.backends.cuda.matmul.allow_tf32 = "torch", False
+        try:
+            mine(input_ids=x, labels=x, use_cache=False).loss.backward()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old_tf32
+            if old_backend is None:
+                os.environ.pop("TTR_KERNEL_BACKEND")
+            else:
+                os.environ["TTR_KERNEL_BACKEND"] = old_backend
+        exact = {n: p.grad.float() for n, p in mine.named_parameters() if p.grad is not None}
+        norm = torch.sqrt(sum(exact[n].square().sum() for n in names))
+        for side, g in (("reference", ref_grads), ("ttr", grads[1])):
+            err = torch.sqrt(sum((g[n] - exact[n]).square().sum() for n in names)) / norm
+            per = {n: ((g[n] - exact[n]).norm() / exact[n].norm().clamp_min(1e-30)).item() for n in names}
+            bad = max(per, key=per.get)
+            result[f"oracle_{side}"] = {"all": err.item(), "worst": per[bad], "worst_tensor": bad}
+    del ref, mine
+    torch.cuda.empty_cache()
+    return result
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def evaluate(model, val: np.ndarray) -> float:
+    model.eval()
+    total = 0.0
+    for rows in val:
+        x = torch.from_numpy(rows).long().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total += model(input_ids=x, labels=x, use_cache=False).loss.float().item()
+    model.train()
+    return total / len(val)
+
+
+def train(model, train_tokens: np.ndarray, val: np.ndarray, args, checkpoint=None) -> dict:
+    """Train ``model`` on ``train_tokens`` (one batch per step); ``checkpoint(partial)`` is called
+    with the results so far after every validation, so a run cut short still leaves its curve."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": other, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    losses, grad_norms, vals = [], [], []
+    model.train()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    timed_from = min(10, args.steps - 1)
+    for step in range(args.steps):
+        if step == timed_from:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x = torch.from_numpy(train_tokens[step]).long().cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        grad_norms.append(norm.detach())
+        if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
+            vals.append((step + 1, evaluate(model, val)))
+            print(f"  step {step + 1}: train {losses[-1].item():.4f} val {vals[-1][1]:.4f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            if checkpoint is not None:
+                checkpoint({"losses": [v.item() for v in losses], "val": vals, "steps_done": step + 1})
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    losses = [v.item() for v in losses]
+    grad_norms = [v.item() for v in grad_norms]
+    tokens = (args.steps - timed_from) * args.batch * args.seq_len
+    return {
+        "losses": losses, "grad_norms": grad_norms, "val": vals, "final_val": vals[-1][1],
+        "train_last50": float(np.mean(losses[-50:])), "grad_norm_step0": grad_norms[0],
+        "tokens_per_s": tokens / elapsed, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "nonfinite_steps": int(sum(not math.isfinite(v) for v in losses)), "steps_done": args.steps,
+    }
+
+
+def run_one(family: str, impl: str, args, train_tokens, val, vocab_size: int, path: Path) -> dict:
+    config = ttr_config(family, args.size, vocab_size)
+    result = {"family": family, "impl": impl, "size": args.size, "steps": args.steps, "batch": args.batch,
+              "seq_len": args.seq_len, "reference": REFERENCE_NAMES[family]}
+    if impl == "reference" and not args.skip_grad_check:
+        check = grad_check(config, torch.from_numpy(train_tokens[0][:2]).long())
+        result["grad_check"] = check
+        print(f"{family}: bf16 gradient check vs reference: loss {check['loss_reference']:.5f} / "
+              f"{check['loss_ttr']:.5f}, gradient rel. error {check['grad_rel_err_all']:.2e} (worst tensor "
+              f"{check['grad_rel_err_max']:.2e}, {check['grad_worst']})", flush=True)
+    model = build(impl, config, args.seed)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{family} / {impl}: {params:,} parameters", flush=True)
+    result["params"] = params
+
+    def checkpoint(partial):
+        path.write_text(json.dumps(dict(result, partial=partial)))
+
+    result.update(train(model, train_tokens, val, args, checkpoint))
+    print(f"{family} / {impl}: val {result['final_val']:.4f}, train(last 50) {result['train_last50']:.4f}, "
+          f"grad norm at step 0 {result['grad_norm_step0']:.2f}, {result['tokens_per_s']:,.0f} tokens/s, "
+          f"{result['peak_mem_gib']:.1f} GiB", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def report(paths: list[str], plot: str | None) -> str:
+    files = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+    results: dict[str, dict] = {}
+    for f in files:
+        if f.name.endswith(".gradcheck.json"):
+            continue
+        run = json.loads(f.read_text())
+        if "final_val" not in run:
+            print(f"note: {f} holds an unfinished run ({run['partial']['steps_done']} steps)", file=sys.stderr)
+            continue
+        entry = results.setdefault(run["family"], {"family": run["family"], "size": run["size"],
+                                                    "reference": run["reference"], "runs": {}})
+        entry["runs"][run["impl"]] = run
+        if "grad_check" in run:
+            entry["grad_check"] = run["grad_check"]
+    results = sorted(results.values(), key=lambda r: FAMILIES.index(r["family"]) if r["family"] in FAMILIES else 99)
+    lines = ["| family | model | params | val loss | ratio to reference | train loss, last 50 | "
+             "grad norm, step 0 | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        runs = r["runs"]
+        ref = runs.get("reference", {}).get("final_val")
+        for impl in ("ttr", "reference"):
+            if impl not in runs:
+                continue
+            run = runs[impl]
+            name = f"ttr `{r['family']}-{r['size']}`" if impl == "ttr" else r["reference"]
+            ratio = ""
+            if impl == "ttr" and ref:
+                value = run["final_val"] / ref
+                ratio = f"{value:.4f} ({'meets' if value <= TARGET else 'MISSES'} <= {TARGET})"
+            lines.append(f"| {r['family']} | {name} | {run['params']:,} | {run['final_val']:.4f} | {ratio} | "
+                         f"{run['train_last50']:.4f} | {run['grad_norm_step0']:.2f} | {run['peak_mem_gib']:.1f} |")
+    checks = [(r["family"], r["grad_check"]) for r in results if "grad_check" in r]
+    if checks:
+        lines += ["", "| family | loss, reference / ttr (same weights, bf16 autocast) | gradient rel. error, "
+                  "all / worst tensor |", "|---|---|---|"]
+        lines += [f"| {f} | {c['loss_reference']:.5f} / {c['loss_ttr']:.5f} | "
+                  f"{c.get('grad_rel_err_all', float('nan')):.1e} / {c['grad_rel_err_max']:.1e} "
+                  f"(`{c['grad_worst']}`) |" for f, c in checks]
+    if plot and results:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        n = len(results)
+        fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.4), squeeze=False)
+        for ax, r in zip(axes[0], results):
+            for impl, style in (("ttr", "-"), ("reference", "--")):
+                if impl in r["runs"]:
+                    steps, values = zip(*r["runs"][impl]["val"])
+                    ax.plot(steps, values, style, label="ttr" if impl == "ttr" else r["reference"].split(" (")[0])
+            ax.set_title(f"{r['family']}-{r['size']}")
+            ax.set_xlabel("step")
+            ax.set_ylabel("validation loss")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_parity", description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--impls", default="ttr,reference", help="which models to train (ttr, reference)")
+    parser.add_argument("--size", default="340m")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-lr", type=float, default=1e-4)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--val-every", type=int, default=100)
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-grad-check", action="store_true")
+    parser.add_argument("--data-cache", help="an .npz to read the encoded batches from (written when missing)")
+    parser.add_argument("--prepare-only", action="store_true", help="only encode the data (into --data-cache)")
+    parser.add_argument("--grad-oracle", action="store_true",
+                        help="only compare ttr's and the reference's bf16 gradients with exact fp32 ones")
+    parser.add_argument("--out", default="runs/parity", help="folder for <family>.json")
+    parser.add_argument("--report", nargs="+", metavar="PATH", help="merge result files/folders into a table")
+    parser.add_argument("--plot", help="with --report: write the validation curves here (PNG)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        print(report(args.report, args.plot))
+        return 0
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families: unknown {unknown}; expected some of {FAMILIES}")
+    impls = [i for i in args.impls.split(",") if i]
+    if not set(impls) <= {"ttr", "reference"}:
+        parser.error(f"--impls takes ttr and/or reference, got {args.impls!r}")
+    if not torch.cuda.is_available() and not args.prepare_only:
+        parser.error("needs a CUDA GPU")
+    for name in ("steps", "batch", "seq_len", "val_every", "val_batches", "warmup"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    lifted = lift_fla_guard()
+    tokenizer = build_tokenizer()
+    t0 = time.perf_counter()
+    train_tokens, val = build_data(args, tokenizer)
+    print(f"data: {train_tokens.size:,} training and {val.size:,} validation tokens "
+          f"({time.perf_counter() - t0:.0f} s); fla #640 guard lifted: {lifted}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if args.prepare_only:
+        return 0
+    if args.grad_oracle:
+        for family in families:
+            config = ttr_config(family, args.size, tokenizer.vocab_size)
+            check = grad_check(config, torch.from_numpy(train_tokens[0][:2]).long(), oracle=True)
+            print(family, json.dumps(check), flush=True)
+            (out / f"{family}.gradcheck.json").write_text(json.dumps(check))
+        return 0
+    for family in families:
+        for impl in impls:
+            path = out / f"{family}.{impl}.json"
+            result = run_one(family, impl, args, train_tokens, val, tokenizer.vocab_size, path)
+            result["env"] = env
+            path.write_text(json.dumps(result))
+    print(report([str(out / f"{f}.{i}.json") for f in families for i in impls], None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Quality parity on a lent GPU (run through the device tool from the repository root, with the
+# fla wheels in .whl): encodes the data once, then trains every FAMILY.IMPL named in $RUNS as
+# concurrent processes on the one GPU (the losses do not depend on the sharing; the tokens/s they
+# print then do, so the parity table leaves them out).
+#   RUNS="gated_deltanet.ttr gated_deltanet.reference" bash scripts/device_parity.sh [bench_parity args...]
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ttr_out}
+mkdir -p /tmp/ttr_pkg "$OUT/parity"
+ln -sfn "$PWD" /tmp/ttr_pkg/ttr
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/ttr_pkg:/tmp/site
+bench() { python3 -W ignore -m ttr.scripts.bench_parity --out "$OUT/parity" --data-cache /tmp/parity.npz "$@"; }
+bench --prepare-only "$@" 2>&1 | tail -3
+for run in $RUNS; do
+  f=${run%.*} i=${run#*.}
+  (bench --families "$f" --impls "$i" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[$run] /" >>"$OUT/train.log") &
+done
+if [ -n "${ORACLE:-}" ]; then
+  (bench --grad-oracle --families "$ORACLE" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[oracle] /" >>"$OUT/train.log") &
+fi
+wait
+grep -E "step 1000|gradient check|oracle|Error" "$OUT/train.log" | tail -40
+bench --report "$OUT/parity"

@@ -1,0 +1,202 @@
+"""The reference implementation of each ttr family, built at the shape of a ttr config.
+
+``reference_config(config)`` returns the reference model's config (fla 0.6.0 for Gated
+DeltaNet, DeltaNet, GLA and the Gated DeltaNet + SWA hybrid; Hugging Face ``LlamaForCausalLM``
+for the transformer; Hugging Face ``Mamba2ForCausalLM`` for Mamba2) with the same architecture:
+``ttr.models.convert`` maps it back onto ``config`` (checked by :func:`check_same_shape`), so a
+converted reference computes the ttr model's function. fla and transformers are imported lazily.
+
+fla's softmax attention layer calls ``flash_attn``; where that package is missing,
+:func:`install_flash_attn_shim` provides the two functions it uses on top of
+``torch.nn.functional.scaled_dot_product_attention`` (causal, optional window, GQA), so fla's
+hybrids run with a plain PyTorch attention.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+FLA_FAMILIES = {"gated_deltanet", "delta_net", "gla"}
+
+
+def family_of(config) -> str:
+    """The family a ttr config belongs to, from its ``layer_types``."""
+    kinds = set(config.layer_types)
+    if kinds == {"attn"}:
+        return "transformer"
+    if kinds == {"gated_deltanet", "swa"}:
+        return "gated_deltanet_h1"
+    if len(kinds) == 1 and kinds <= FLA_FAMILIES | {"mamba2"}:
+        return kinds.pop()
+    raise ValueError(f"no reference implementation for layer_types {sorted(kinds)}")
+
+
+def _attention_spec(config) -> dict | None:
+    layers = [i for i, t in enumerate(config.layer_types) if t in ("swa", "attn")]
+    if not layers:
+        return None
+    windows = {t for t in config.layer_types if t in ("swa", "attn")}
+    return dict(
+        layers=layers,
+        num_heads=config.attn_num_heads,
+        num_kv_heads=config.attn_num_kv_heads,
+        qkv_bias=config.attn_qkv_bias,
+        window_size=config.window_size if windows == {"swa"} else None,
+        rope_theta=config.rope_theta,
+    )
+
+
+def reference_config(config):
+    """The reference model's config at ``config``'s shape."""
+    family = family_of(config)
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers, tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        max_position_embeddings=config.max_position_embeddings, initializer_range=config.initializer_range,
+        use_cache=False,
+    )
+    if family == "transformer":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            **common, intermediate_size=config.intermediate_size, num_attention_heads=config.attn_num_heads,
+            num_key_value_heads=config.attn_num_kv_heads, head_dim=config.attn_head_dim,
+            rms_norm_eps=config.rms_norm_eps, attention_bias=config.attn_qkv_bias, mlp_bias=config.mlp_bias,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        )
+    if family == "mamba2":
+        from transformers import Mamba2Config
+
+        # HF's defaults differ from the authors' release (initializer_range 0.1, no residual
+        # rescale); the reference is built as mamba_ssm initialises it.
+        return Mamba2Config(
+            **common, num_heads=config.mamba_num_heads, head_dim=config.mamba_head_dim, expand=config.mamba_expand,
+            state_size=config.mamba_state_size, n_groups=config.mamba_n_groups, conv_kernel=config.conv_size,
+            layer_norm_epsilon=config.rms_norm_eps, use_bias=config.mamba_proj_bias,
+            use_conv_bias=config.mamba_conv_bias, time_step_min=config.dt_min, time_step_max=config.dt_max,
+            time_step_floor=config.dt_init_floor, rescale_prenorm_residual=True,
+            time_step_limit=tuple(config.mamba_dt_limit) if config.mamba_dt_limit else (0.0, float("inf")),
+        )
+    import fla  # noqa: F401  (registers fla's model types)
+    from fla.models import DeltaNetConfig, GatedDeltaNetConfig, GLAConfig
+
+    fla_common = dict(
+        common, intermediate_size=config.intermediate_size, norm_eps=config.rms_norm_eps,
+        attn=_attention_spec(config), fuse_cross_entropy=False,
+    )
+    key_dim = config.num_heads * config.head_dim
+    if family in ("gated_deltanet", "gated_deltanet_h1"):
+        return GatedDeltaNetConfig(
+            **fla_common, num_heads=config.num_heads, head_dim=config.head_dim, expand_v=config.expand_v,
+            conv_size=config.conv_size, use_short_conv=config.use_short_conv,
+            allow_neg_eigval=config.allow_neg_eigval,
+        )
+    if family == "delta_net":
+        return DeltaNetConfig(
+            **fla_common, num_heads=config.num_heads, expand_k=key_dim / config.hidden_size,
+            expand_v=key_dim * config.expand_v / config.hidden_size, conv_size=config.conv_size,
+            use_short_conv=config.use_short_conv, allow_neg_eigval=config.allow_neg_eigval,
+        )
+    return GLAConfig(
+        **fla_common, num_heads=config.num_heads, expand_k=key_dim / config.hidden_size,
+        expand_v=key_dim * config.expand_v / config.hidden_size, use_short_conv=config.use_short_conv,
+        conv_size=config.conv_size, clamp_min=config.gla_gate_clamp_min,
+    )
+
+
+def build_reference(config):
+    """The reference ``*ForCausalLM`` at ``config``'s shape, with its own default initialisation."""
+    from transformers import AutoModelForCausalLM
+
+    family = family_of(config)
+    if family == "gated_deltanet_h1":
+        install_flash_attn_shim()
+    ref_config = reference_config(config)
+    if family == "transformer":
+        ref_config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(ref_config)
+
+
+def check_same_shape(config, reference) -> None:
+    """Raise unless ``ttr.models.convert`` maps the reference back onto ``config``'s architecture."""
+    from ttr.models.convert import convert_config
+
+    back = convert_config(reference.config.to_dict(), reference.state_dict())
+    keys = ("layer_types", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    family = family_of(config)
+    if family in FLA_FAMILIES | {"gated_deltanet_h1"}:
+        keys += ("num_heads", "head_dim", "value_head_dim")
+    if family == "mamba2":
+        keys += ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_n_groups")
+    if any(t in ("swa", "attn") for t in config.layer_types):
+        keys += ("attn_num_heads", "attn_num_kv_heads", "attn_head_dim")
+    diff = {k: (getattr(config, k), getattr(back, k)) for k in keys if getattr(config, k) != getattr(back, k)}
+    if diff:
+        raise ValueError(f"the reference model differs from the ttr config: {diff}")
+
+
+def _window_mask(t_q: int, t_k: int, window: int, device) -> torch.Tensor:
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    k_pos = torch.arange(t_k, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window >= 0:
+        allowed &= q_pos - k_pos <= window
+    return allowed
+
+
+def _sdpa(q, k, v, causal: bool, window_size) -> torch.Tensor:
+    """q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]`` in flash_attn's layout; returns ``[B, T, Hq, D]``."""
+    if not causal:
+        raise ValueError("the flash_attn shim implements causal attention only")
+    left = window_size[0] if window_size is not None else -1
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    if left < 0 and q.shape[2] == k.shape[2]:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        mask = _window_mask(q.shape[2], k.shape[2], left, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return o.transpose(1, 2)
+
+
+def _flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kwargs):
+    if dropout_p or softmax_scale is not None:
+        raise ValueError("the flash_attn shim supports neither dropout nor a custom softmax_scale")
+    return _sdpa(q, k, v, causal, window_size)
+
+
+def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kwargs):
+    if dropout_p or softmax_scale is not None:
+        raise ValueError("the flash_attn shim supports neither dropout nor a custom softmax_scale")
+    outs = []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        sq, eq, sk, ek = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        outs.append(_sdpa(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal, window_size)[0])
+    return torch.cat(outs, dim=0)
+
+
+def install_flash_attn_shim() -> bool:
+    """Provide ``flash_attn.flash_attn_func`` / ``flash_attn_varlen_func`` through SDPA when the
+    package is missing, and point an already imported ``fla.layers.attn`` at them. Returns True
+    when the shim is in use."""
+    try:
+        import flash_attn  # noqa: F401
+
+        return False
+    except ImportError:
+        pass
+    shim = types.ModuleType("flash_attn")
+    shim.flash_attn_func = _flash_attn_func
+    shim.flash_attn_varlen_func = _flash_attn_varlen_func
+    sys.modules["flash_attn"] = shim
+    attn = sys.modules.get("fla.layers.attn")
+    if attn is not None:
+        attn.flash_attn_func, attn.flash_attn_varlen_func = _flash_attn_func, _flash_attn_varlen_func
+    return True

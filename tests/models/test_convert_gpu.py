@@ -1,0 +1,84 @@
+"""``ttr convert`` of fla 0.6.0 folders on the GPU (``-m gpu``, fla from the carried wheels): the
+converted model's logits equal fla's, fp32 max-abs <= 1e-4 and bf16 relative RMS <= 2e-2, for
+every fla family and the Gated DeltaNet + SWA hybrid.
+
+fla's Triton kernels (like ttr's) multiply fp32 blocks in tf32 unless Triton is told otherwise,
+which alone moves logits by ~1e-3; the fp32 comparison therefore runs in a fresh process with
+``TRITON_F32_DEFAULT=ieee``, so both sides compute in full fp32 and what is left is the
+conversion's own error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 256
+FAMILIES = ["gated_deltanet", "delta_net", "gla", "gated_deltanet_h1"]
+
+
+def compare(family: str, folder: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ttr.models import get_preset
+    from ttr.models.convert import convert_checkpoint
+    from ttr.scripts.reference_models import build_reference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    config = get_preset(
+        f"{family}-debug", vocab_size=VOCAB, hidden_size=256, num_heads=2, head_dim=64 if family == "gla" else 128,
+        attn_num_heads=2, window_size=48, allow_neg_eigval=family == "gated_deltanet",
+    )
+    ref = build_reference(config)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    ref.save_pretrained(folder / "src")
+    convert_checkpoint(folder / "src", folder / "dst")
+    ref = ref.cuda().eval()
+    mine = AutoModelForCausalLM.from_pretrained(folder / "dst").cuda().eval()
+    ids = torch.randint(0, VOCAB, (2, 200), device="cuda")
+    with torch.no_grad():
+        a, b = ref(ids).logits, mine(ids).logits
+        fp32 = (a - b).abs().max().item() if torch.isfinite(b).all() else float("inf")
+        ref.bfloat16()
+        mine.bfloat16()
+        a, b = ref(ids).logits.float(), mine(ids).logits.float()
+        bf16 = ((a - b).norm() / a.norm()).item() if torch.isfinite(b).all() else float("inf")
+    return {"fp32_max_abs": fp32, "bf16_rel_rms": bf16}
+
+
+@pytest.fixture(scope="module")
+def errors():
+    pytest.importorskip("fla")
+    env = dict(os.environ, TRITON_F32_DEFAULT="ieee")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fla_logits(errors, family):
+    assert errors[family]["fp32_max_abs"] <= 1e-4, errors[family]
+    assert errors[family]["bf16_rel_rms"] <= 2e-2, errors[family]
+
+
+if __name__ == "__main__":
+    import ttr  # noqa: F401
+
+    results = {}
+    for name in FAMILIES:
+        with tempfile.TemporaryDirectory() as tmp:
+            results[name] = compare(name, Path(tmp))
+    print(json.dumps(results))
