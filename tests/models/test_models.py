@@ -255,15 +255,28 @@ def test_tied_embeddings_and_dtype(tmp_path):
 
 
 def test_weight_init():
+    """The reference scheme: fla / HF Llama matrices and short convs N(0, std), Mamba2 as
+    mamba_ssm (out_proj U(+-1/sqrt(fan_in)) / sqrt(branches)); depth_scaled divides the residual
+    output projections by sqrt(branches)."""
     model = make_model("gated_deltanet_h2")
     cfg = model.config
     mixer = model.model.layers[0].mixer  # mamba2
     assert torch.all(-mixer.A_log.exp() < 0)
     dt = torch.nn.functional.softplus(mixer.dt_bias)
     assert torch.all(dt >= cfg.dt_init_floor * 0.99) and torch.all(dt <= cfg.dt_max * 1.01)
-    std = model.model.layers[1].mixer.o_proj.weight.std().item()
-    expected = cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5
+    branches = 2 * cfg.num_hidden_layers
+    bound = 1 / (mixer.out_proj.in_features * branches) ** 0.5
+    assert mixer.out_proj.weight.abs().max() <= bound
+    assert mixer.out_proj.weight.std() > 0.5 * bound / 3**0.5
+    gdn = model.model.layers[1].mixer
+    for weight in (gdn.o_proj.weight, gdn.convs[0].weight, model.model.layers[1].mlp.down_proj.weight):
+        assert abs(weight.std().item() - cfg.initializer_range) < 0.2 * cfg.initializer_range
+    scaled = make_model("gated_deltanet_h2", initializer_scheme="depth_scaled")
+    std = scaled.model.layers[1].mixer.o_proj.weight.std().item()
+    expected = cfg.initializer_range / branches**0.5
     assert abs(std - expected) < 0.2 * expected
+    with pytest.raises(ValueError, match="initializer_scheme"):
+        make_model("gated_deltanet", initializer_scheme="gpt2")
 
 
 @pytest.mark.parametrize(
