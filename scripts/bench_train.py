@@ -26,7 +26,7 @@ import torch
 
 from ttr.train.cli import CONFIG_DIR
 from ttr.train.config import load_config
-from ttr.train.metrics import mixer_flops_per_token, peak_flops
+from ttr.train.metrics import peak_flops, train_flops_per_token
 from ttr.train.trainer import Trainer
 
 
@@ -65,12 +65,6 @@ class FlaAdapter(torch.nn.Module):
                           num_items_in_batch=num_items_in_batch)
 
 
-def flops_per_token(model: torch.nn.Module, ttr_config, seq_len: int) -> float:
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    mixers = sum(mixer_flops_per_token(t, ttr_config, seq_len) for t in ttr_config.layer_types)
-    return 3.0 * (2.0 * linear + mixers)
-
-
 def bench(name: str, args) -> dict:
     overrides = [
         f"--run_dir={args.run_root}/{name}", "--data.source=embedded", f"--tokenizer.path={args.tokenizer}",
@@ -89,7 +83,7 @@ def bench(name: str, args) -> dict:
         shapes["config"] = model.config
         if name == "fla":
             model = FlaAdapter(model.config)
-        shapes["fpt"] = flops_per_token(model, shapes["config"], cfg_.train.seq_len)
+        shapes["fpt"] = train_flops_per_token(model, shapes["config"], cfg_.train.seq_len)
         return model
 
     trainer = NoCheckpointTrainer(cfg, overwrite=True, model_factory=factory)
