@@ -30,15 +30,17 @@ def parse_csv(kind, *, above: float | None = None, at_least: float | None = None
     return parse
 
 
-def parse_override(text: str) -> tuple[str, object]:
-    """``"KEY=VALUE"`` -> (key, value), the value parsed as JSON when it is JSON (numbers, null)."""
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+def argument(parse):
+    """An argparse ``type`` from a parser that raises ValueError: argparse then names the flag and
+    shows the parser's own message."""
+
+    def parse_argument(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_argument
 
 
 def _seconds(minutes: float | None) -> float | None:
@@ -125,49 +127,49 @@ def _ppl(args) -> int:
     return 0
 
 
+def _sweep(task, jobs: list[dict], args, stem: str) -> tuple[list, list]:
+    """Run a synthetic benchmark's sweep (``task.run_job`` per job, ``--jobs`` processes), print
+    ``task.report`` and write it and every result under ``--output`` as ``stem``.md / .json."""
+    from ttr.eval.synthetic import run_sweep
+
+    results, failed = run_sweep(task.run_job, jobs, args.jobs, args.output)
+    report = task.report(results, failed)
+    print(report)
+    _write(args.output, f"{stem}.md", report)
+    _write(args.output, f"{stem}.json", results + failed)
+    print(f"wrote {args.output}/{stem}.md, {stem}.json")
+    return results, failed
+
+
 def _mqar(args) -> int:
     from ttr.eval import mqar
-    from ttr.eval.synthetic import MIXERS, run_jobs
+    from ttr.eval.synthetic import MIXERS
 
     unknown = [m for m in args.mixer if m not in MIXERS]
     if unknown:
         raise SystemExit(f"ttr eval mqar: --mixer: unknown {unknown}; expected some of {list(MIXERS)}")
-    overrides = dict(args.set or [])
-    jobs = [
-        mqar.make_job(
-            mixer, lr, d_model=d_model, num_heads=args.num_heads, seed=args.seed, vocab_size=args.vocab_size,
-            batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
-            train_configs=args.train_configs, test_configs=args.test_configs, overrides=overrides,
-            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
-        )  # fmt: skip
-        for mixer in args.mixer
-        for d_model in args.d_model
-        for lr in args.lrs
-    ]
-    for i, job in enumerate(jobs):
-        job["index"] = i
-    results = run_jobs(mqar.run_job, jobs, args.jobs)
-    table = mqar.markdown_table(results)
-    print(table)
-    for label, r in sorted(mqar.best_by_label(results).items()):
-        print(
-            f"best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)"
-        )
-    _write(args.output, "mqar.md", table)
-    _write(args.output, "mqar.json", results)
-    print(f"wrote {args.output}/mqar.md, mqar.json")
     try:
-        mqar.plot(results, os.path.join(args.output, "mqar.png"))
+        jobs = mqar.sweep_jobs(
+            args.mixer, args.d_model, args.lrs, variants=args.variant or (), overrides=dict(args.set or []),
+            num_heads=args.num_heads, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
+            eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
+            train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=_seconds(args.max_minutes),
+            amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:  # a bad size or step count, named by its make_job argument
+        raise SystemExit(f"ttr eval mqar: {e}") from None
+    results, failed = _sweep(mqar, jobs, args, "mqar")
+    try:
+        if results:
+            mqar.plot(results, os.path.join(args.output, "mqar.png"))
+            print(f"wrote {args.output}/mqar.png")
     except ImportError:
         print("matplotlib is not installed: no mqar.png", file=sys.stderr)
-        return 0
-    print(f"wrote {args.output}/mqar.png")
-    return 0
+    return 1 if failed else 0
 
 
 def _state(args) -> int:
     from ttr.eval import state_tracking as st
-    from ttr.eval.synthetic import run_jobs
 
     variants = {label: (mixer, ov) for label, mixer, ov in st.VARIANTS}
     chosen = args.variants or list(variants)
@@ -178,35 +180,22 @@ def _state(args) -> int:
         if task not in st.TASKS:
             raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
     try:
-        jobs = [
-            st.make_job(
-                task, label, lr, weight_decay=wd, seed=seed, d_model=args.d_model, num_layers=args.num_layers,
-                intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
-                batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
-                eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
-                max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
-            )  # fmt: skip
-            for task in args.task
-            for label in chosen
-            for lr in args.lrs
-            for wd in args.weight_decays
-            for seed in args.seeds
-        ]
-    except ValueError as e:  # a bad model size, named by its make_job argument
+        jobs = st.sweep_jobs(
+            args.task, chosen, args.lrs, weight_decays=args.weight_decays, seeds=args.seeds, d_model=args.d_model,
+            num_layers=args.num_layers, intermediate_size=args.intermediate_size, num_heads=args.num_heads,
+            steps=args.steps, batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
+            eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
+            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:  # a bad model size or step count, named by its make_job argument
         raise SystemExit(f"ttr eval state: {e}") from None
-    for i, job in enumerate(jobs):
-        job["index"] = i
-    results = run_jobs(st.run_job, jobs, args.jobs)
-    table = st.markdown_table(results)
-    print(table)
-    _write(args.output, "state_tracking.md", table)
-    _write(args.output, "state_tracking.json", results)
-    print(f"wrote {args.output}/state_tracking.md, state_tracking.json")
-    return 0
+    _, failed = _sweep(st, jobs, args, "state_tracking")
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, VOCAB_SIZE, parse_configs
+    from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, VOCAB_SIZE, parse_configs, parse_variant
+    from ttr.overrides import parse_assignment
 
     parser = argparse.ArgumentParser(prog="ttr eval", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True, metavar="{lm,ppl,mqar,state}")
@@ -258,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=parse_csv(int), default=[128])
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--lrs", type=parse_csv(float, above=0), default=[1e-4, 4.6e-4, 2.2e-3, 1e-2])
-    p.add_argument("--steps", type=int, default=0, help="training steps (0: --epochs over the training set)")
+    p.add_argument(
+        "--steps", type=int, default=0,
+        help="training steps (0: --epochs over the training set; both 0: the --max-minutes clock alone)",
+    )  # fmt: skip
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--eval-batch-size", type=int, default=250)
@@ -271,8 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--test-configs", type=parse_configs, default=TEST_CONFIGS, help=f"default {fmt(TEST_CONFIGS)}"
     )
     p.add_argument(
-        "--set", type=parse_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field"
-    )
+        "--set", type=argument(parse_assignment), action="append", metavar="KEY=VALUE",
+        help="a TTRConfig field for every model (VALUE: TOML, else JSON, else a string)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant", type=argument(parse_variant), action="append", metavar="MIXER:KEY=VALUE[,KEY=VALUE]",
+        help="one more model: MIXER with these TTRConfig fields (repeatable), e.g. attn:rope_theta=10000.0",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (several fit on one GPU)")
     p.add_argument(
@@ -302,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--weight-decays", type=parse_csv(float, at_least=0), default=[0.1], help="AdamW weight decays (each run at every lr)"
     )
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=2000, help="training steps (0: the --max-minutes clock alone)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--train-min", type=int, default=3)
     p.add_argument("--train-max", type=int, default=40)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ttr.overrides import parse_assignment
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -208,14 +210,11 @@ def _validate(cfg: RunConfig) -> None:
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:
-    """``--train.max_steps=20`` -> (["train", "max_steps"], 20); values are read as TOML, else strings."""
+    """``--train.max_steps=20`` -> (["train", "max_steps"], 20); the value in ``ttr.overrides``'
+    grammar (TOML, else JSON, else the bare string)."""
     if not arg.startswith("--") or "=" not in arg:
         raise ValueError(f"override {arg!r} must look like --section.key=value")
-    key, raw = arg[2:].split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
+    key, value = parse_assignment(arg[2:])
     return key.split("."), value
 
 

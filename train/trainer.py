@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ttr.optim import build_optimizer, lr_multiplier, set_lr
+
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import BatchStream, Encoder, HFDocStream, MapDocStream, validation_batches, validation_ids
 from .metrics import MetricsSink, peak_flops, peak_memory_gib, train_flops_per_token
-from .optim import build_optimizer, lr_multiplier, set_lr
 from .sources import open_source
 from .tokenizer import SentencePieceTokenizer, load_tokenizer
 
@@ -187,7 +188,9 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(model, self.config, t.seq_len) if self.config else None
         self.num_params = sum(p.numel() for p in model.parameters())
         fused = torch.cuda.is_available() and self.mode != "fsdp"
-        optimizer = build_optimizer(model, cfg.optim, fused=fused or None)
+        o = cfg.optim
+        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+                                    fused=fused or None)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         if t.compile:
             self.model = torch.compile(self.model)

@@ -1,6 +1,6 @@
 """The eval tests train and run tiny models: one intra-op thread is faster for them than two, and
-on a shared, busy CPU two threads spin-wait (measured here: a 50-step tiny MQAR run took 6 s with
-one thread and 156 s with two under load)."""
+on a shared, busy CPU a second thread that loses its core leaves the first spin-waiting at every
+small matmul, which slows a tiny run down many times over."""
 
 import pytest
 import torch

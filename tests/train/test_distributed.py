@@ -1,5 +1,5 @@
 """Several processes on CPU (gloo, DDP): resume across ranks; launch commands. FSDP2 needs GPUs
-(accelerate does not shard on CPU): it is exercised by the device runs."""
+(accelerate does not shard on CPU): tests/train/test_gpu.py covers it with -m gpu."""
 
 import json
 import os

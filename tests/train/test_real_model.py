@@ -97,6 +97,8 @@ def test_activation_checkpointing_gives_the_same_steps(corpus_dir, cache_dir, tm
                                                                                "activation_checkpointing": ac})
         trainer = Trainer(config_from_dict(table))
         trainer.run()
-        assert trainer.inner.is_activation_checkpointing == ac
+        # transformers renamed gradient to activation checkpointing in 5.2x; the trainer takes either
+        on = getattr(trainer.inner, "is_activation_checkpointing", None)
+        assert (trainer.inner.is_gradient_checkpointing if on is None else on) == ac
         losses.append([r["loss"] for r in trainer.history])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
