@@ -71,6 +71,36 @@ def launch_command(nproc: int, argv: list[str]) -> list[str]:
     return cmd + ["-m", "ttr.train", *argv]
 
 
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``launch_command`` and return the exit status of the job. On CPU torch's elastic agent
+    runs in this process, so that a failed rank ends the job with that rank's status (its error
+    already printed in one line by the rank itself) instead of torchrun's status 1 and its
+    traceback; on GPUs ``accelerate launch`` runs as a child process."""
+    cmd = launch_command(nproc, argv)
+    if torch.cuda.is_available():
+        return subprocess.call(cmd)
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if os.environ.get("TTR_DEBUG") != "1":
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(cmd[3:]))  # torchrun's main without its error banner: cmd[3:] follows `-m torch.distributed.run`
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode >= 0:
+            return failure.exitcode
+        name = signal.Signals(-failure.exitcode).name
+        print(f"ttr train: rank {rank} was killed by {name}", file=sys.stderr)
+        return 128 - failure.exitcode
+    except SignalException as err:  # the agent passed the signal on; the ranks have saved and exited
+        return 128 + err.sigval
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, overrides = split_overrides(argv)
@@ -81,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--nproc" in child:
             i = child.index("--nproc")
             child = child[:i] + child[i + 2 :]
-        return subprocess.call(launch_command(args.nproc, child))
+        return launch(args.nproc, child)
 
     from .config import load_config
     from .trainer import Trainer
@@ -90,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     record = Trainer(cfg, resume=args.resume or False, resume_from=args.resume_from, overwrite=args.overwrite).run()
     if record.get("stopped_by"):
         signum = signal.Signals[record["stopped_by"]]
-        print(f"ttr train: stopped by {record['stopped_by']} at step {record['step']} after saving a checkpoint; "
-              f"continue with --resume (exit status {128 + signum})", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ttr train: stopped by {record['stopped_by']} at step {record['step']} after saving a checkpoint; "
+                  f"continue with --resume (exit status {128 + signum})", file=sys.stderr)
         return 128 + signum
     return 0
