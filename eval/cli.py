@@ -4,9 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import sys
+import time
+
+from ttr.errors import DEBUG_HELP, TTRError
+from ttr.eval.hub import offline_if_unreachable
+from ttr.eval.progress import SweepProgress
 
 
 def parse_csv(kind, *, above: float | None = None, at_least: float | None = None):
@@ -45,8 +52,50 @@ def _seconds(minutes: float | None) -> float | None:
     return None if minutes is None else 60.0 * minutes
 
 
+def model_dir(path: str) -> str:
+    """The ``save_pretrained`` folder to evaluate: ``path``, or ``path/export`` for a run directory."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "export", "config.json")):
+        return os.path.join(path, "export")
+    what = "does not exist" if not os.path.exists(path) else "has no config.json (nor export/config.json)"
+    raise TTRError(f"checkpoint {path!r} {what}: give a `ttr export` folder or a run directory with export/")
+
+
+@contextlib.contextmanager
+def results_dir(output: str | None, kind: str, model: str | None = None):
+    """The folder results go to: ``output``, else a new ``MODEL/eval/KIND-TIMESTAMP`` (``runs/KIND-
+    TIMESTAMP`` for the synthetic sweeps, which have no model folder), so that no earlier result is
+    overwritten. It is made first, so that one that cannot be written fails before the evaluation,
+    and removed again (when made here and still empty) if the evaluation fails."""
+    out = output
+    if not output:
+        base = os.path.join(model, "eval") if model else "runs"
+        out = base = os.path.join(base, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while os.path.exists(out):
+            n += 1
+            out = f"{base}-{n}"
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(out, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as err:
+        raise TTRError(f"cannot write results to {out!r} ({err.strerror or err}); choose a folder with --output") from None
+    try:
+        yield out
+    except BaseException:
+        for folder in made:  # deepest first
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
+        raise
+
+
 def _write(out_dir: str, name: str, content) -> str:
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     with open(path, "w") as f:
         if isinstance(content, str):
@@ -56,39 +105,56 @@ def _write(out_dir: str, name: str, content) -> str:
     return path
 
 
+def _offline_check(command: str) -> None:
+    note = offline_if_unreachable()
+    if note:
+        print(f"ttr eval {command}: {note}", file=sys.stderr)
+
+
 def _lm(args) -> int:
+    checkpoint = model_dir(args.checkpoint)
+    _offline_check("lm")
     from ttr.eval.lm_harness import evaluate, markdown_table, write_results
 
-    results = evaluate(
-        args.checkpoint,
-        args.tasks,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        limit=args.limit,
-        include_path=args.include_path or None,
-        log_samples=args.log_samples,
-        dtype=args.dtype,
-        device=args.device,
-    )
-    print(markdown_table(results))
-    json_path, md_path = write_results(results, args.output)
+    with results_dir(args.output, "lm", checkpoint) as out:
+        results = evaluate(
+            checkpoint,
+            args.tasks,
+            num_fewshot=args.num_fewshot,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            limit=args.limit,
+            include_path=args.include_path or None,
+            log_samples=args.log_samples,
+            dtype=args.dtype,
+            device=args.device,
+        )
+        print(markdown_table(results))
+        json_path, md_path = write_results(results, out)
     print(f"wrote {json_path} and {md_path}")
     return 0
 
 
 def _ppl(args) -> int:
+    checkpoint = model_dir(args.checkpoint)
+    if not glob.glob(args.data):  # a Hugging Face dataset name
+        _offline_check("ppl")
+    with results_dir(args.output, "ppl", checkpoint) as out:
+        return _perplexity(args, checkpoint, out)
+
+
+def _perplexity(args, checkpoint: str, out: str) -> int:
     from ttr.eval.common import load_checkpoint, training_context
     from ttr.eval.perplexity import extrapolation_sweep, perplexity, plot_sweep, read_documents
 
-    model, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device)
-    docs = read_documents(
+    docs = read_documents(  # before the model: a wrong path fails at once
         args.data,
         text_field=args.text_field,
         split=args.split,
         hf_config=args.hf_config,
         max_documents=args.max_documents,
     )
+    model, tokenizer = load_checkpoint(checkpoint, dtype=args.dtype, device=args.device)
     context = training_context(model.config, args.max_length)
     window = args.window if args.window is not None else context
     result = perplexity(
@@ -117,21 +183,20 @@ def _ppl(args) -> int:
         result["sweep"] = sweep
         for a, b, loss in zip(sweep["bucket_start"], sweep["bucket_end"], sweep["loss"]):
             print(f"  positions {a:>7}-{b - 1:<7} loss {loss:.4f}")
-        png = os.path.join(args.output, "extrapolation.png")
-        os.makedirs(args.output, exist_ok=True)
+        png = os.path.join(out, "extrapolation.png")
         plot_sweep({os.path.basename(os.path.normpath(args.checkpoint)): sweep}, png)
         print(f"wrote {png}")
-    print(f"wrote {_write(args.output, 'perplexity.json', result)}")
+    print(f"wrote {_write(out, 'perplexity.json', result)}")
     return 0
 
 
 def _mqar(args) -> int:
     from ttr.eval import mqar
-    from ttr.eval.synthetic import MIXERS, run_jobs
+    from ttr.eval.synthetic import MIXERS
 
     unknown = [m for m in args.mixer if m not in MIXERS]
     if unknown:
-        raise SystemExit(f"ttr eval mqar: --mixer: unknown {unknown}; expected some of {list(MIXERS)}")
+        raise TTRError(f"--mixer: unknown {unknown}; expected some of {list(MIXERS)}")
     overrides = dict(args.set or [])
     jobs = [
         mqar.make_job(
@@ -146,22 +211,31 @@ def _mqar(args) -> int:
     ]
     for i, job in enumerate(jobs):
         job["index"] = i
-    results = run_jobs(mqar.run_job, jobs, args.jobs)
+    with results_dir(args.output, "mqar") as out:
+        return _mqar_sweep(jobs, args.jobs, out)
+
+
+def _mqar_sweep(jobs: list[dict], workers: int, out: str) -> int:
+    from ttr.eval import mqar
+    from ttr.eval.synthetic import run_jobs
+
+    with SweepProgress(jobs, "ttr eval mqar", workers) as progress:
+        results = run_jobs(progress.wrap(mqar.run_job), jobs, workers)
     table = mqar.markdown_table(results)
     print(table)
     for label, r in sorted(mqar.best_by_label(results).items()):
         print(
             f"best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)"
         )
-    _write(args.output, "mqar.md", table)
-    _write(args.output, "mqar.json", results)
-    print(f"wrote {args.output}/mqar.md, mqar.json")
+    _write(out, "mqar.md", table)
+    _write(out, "mqar.json", results)
+    print(f"wrote {out}/mqar.md, mqar.json")
     try:
-        mqar.plot(results, os.path.join(args.output, "mqar.png"))
+        mqar.plot(results, os.path.join(out, "mqar.png"))
     except ImportError:
-        print("matplotlib is not installed: no mqar.png", file=sys.stderr)
+        print("matplotlib is not installed (pip install 'ttr[eval]'): no mqar.png", file=sys.stderr)
         return 0
-    print(f"wrote {args.output}/mqar.png")
+    print(f"wrote {out}/mqar.png")
     return 0
 
 
@@ -173,10 +247,10 @@ def _state(args) -> int:
     chosen = args.variants or list(variants)
     unknown = [v for v in chosen if v not in variants]
     if unknown:
-        raise SystemExit(f"ttr eval state: --variants: unknown {unknown}; expected some of {list(variants)}")
+        raise TTRError(f"--variants: unknown {unknown}; expected some of {list(variants)}")
     for task in args.task:
         if task not in st.TASKS:
-            raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
+            raise TTRError(f"--task: unknown {task!r}; expected some of {list(st.TASKS)}")
     try:
         jobs = [
             st.make_job(
@@ -193,26 +267,28 @@ def _state(args) -> int:
             for seed in args.seeds
         ]
     except ValueError as e:  # a bad model size, named by its make_job argument
-        raise SystemExit(f"ttr eval state: {e}") from None
+        raise TTRError(str(e)) from None
     for i, job in enumerate(jobs):
         job["index"] = i
-    results = run_jobs(st.run_job, jobs, args.jobs)
-    table = st.markdown_table(results)
-    print(table)
-    _write(args.output, "state_tracking.md", table)
-    _write(args.output, "state_tracking.json", results)
-    print(f"wrote {args.output}/state_tracking.md, state_tracking.json")
+    with results_dir(args.output, "state") as out:
+        with SweepProgress(jobs, "ttr eval state", args.jobs) as progress:
+            results = run_jobs(progress.wrap(st.run_job), jobs, args.jobs)
+        table = st.markdown_table(results)
+        print(table)
+        _write(out, "state_tracking.md", table)
+        _write(out, "state_tracking.json", results)
+    print(f"wrote {out}/state_tracking.md, state_tracking.json")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, VOCAB_SIZE, parse_configs
 
-    parser = argparse.ArgumentParser(prog="ttr eval", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ttr eval", description=__doc__, epilog=DEBUG_HELP)
     sub = parser.add_subparsers(dest="what", required=True, metavar="{lm,ppl,mqar,state}")
 
     p = sub.add_parser("lm", help="lm-evaluation-harness tasks on a checkpoint")
-    p.add_argument("checkpoint", help="save_pretrained directory (ttr export output)")
+    p.add_argument("checkpoint", help="save_pretrained folder (ttr export output) or a run directory with export/")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", action="append", help="directory of extra task YAMLs (repeatable)")
     p.add_argument("--num-fewshot", type=int)
@@ -224,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
     p.add_argument("--log-samples", action="store_true")
-    p.add_argument("--output", default="eval_results")
+    p.add_argument("--output", help="results folder (default: a new CHECKPOINT/eval/lm-TIMESTAMP)")
     p.set_defaults(fn=_lm)
 
     p = sub.add_parser("ppl", help="token/word/byte perplexity, bits per byte, length-extrapolation sweep")
@@ -250,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per forward in the sweep")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
-    p.add_argument("--output", default="eval_results")
+    p.add_argument("--output", help="results folder (default: a new CHECKPOINT/eval/ppl-TIMESTAMP)")
     p.set_defaults(fn=_ppl)
 
     p = sub.add_parser("mqar", help="multi-query associative recall (Zoology protocol), lr sweep, plot")
@@ -280,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true", help="fp32 on GPU instead of bf16 autocast")
-    p.add_argument("--output", default="eval_results/mqar")
+    p.add_argument("--output", help="results folder (default: a new runs/mqar-TIMESTAMP)")
     p.set_defaults(fn=_mqar)
 
     p = sub.add_parser("state", help="state tracking: parity, modular arithmetic (with/without brackets)")
@@ -320,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true")
-    p.add_argument("--output", default="eval_results/state")
+    p.add_argument("--output", help="results folder (default: a new runs/state-TIMESTAMP)")
     p.set_defaults(fn=_state)
     return parser
 

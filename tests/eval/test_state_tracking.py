@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ttr.errors import TTRError
 from ttr.eval import state_tracking as st
 from ttr.eval.cli import main
 
@@ -221,5 +222,5 @@ def test_model_shape_per_task_and_family(capsys):
     assert shape(st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=3, intermediate_size=64)) == (3, 64)
     with pytest.raises(ValueError, match="num_layers"):
         st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=0)
-    with pytest.raises(SystemExit, match="num_layers"):
+    with pytest.raises(TTRError, match="num_layers"):
         main(["state", "--num-layers", "0"])
