@@ -31,10 +31,11 @@ def tracked(fn, sink, job: dict):
     global _QUEUE
     previous, _QUEUE = _QUEUE, sink
     try:
-        return fn(job)
+        result = fn(job)
     finally:
         _QUEUE = previous
-        sink.put((job.get("index", 0), None, None))
+    sink.put((job.get("index", 0), None, None))
+    return result
 
 
 class SweepProgress:
