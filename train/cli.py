@@ -58,6 +58,14 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in argv if a not in overrides], overrides
 
 
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and the config overrides of ``argv``."""
+    rest, overrides = split_overrides(argv)
+    # a bare --resume must not take the config path after it as its value
+    bare = [i for i, a in enumerate(rest) if a == "--resume" and rest[i + 1 : i + 2] not in (["auto"], ["latest"])]
+    return build_parser().parse_args(["--resume=latest" if i in bare else a for i, a in enumerate(rest)]), overrides
+
+
 def launch_command(nproc: int, argv: list[str]) -> list[str]:
     """``accelerate launch --multi_gpu`` on GPUs; on CPU ``torch.distributed.run`` (accelerate's
     launcher refuses ``--cpu`` with several processes; the Accelerator then runs DDP over gloo)."""
@@ -103,9 +111,7 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    rest, overrides = split_overrides(argv)
-    # a bare --resume must not take the config path after it as its value
-    args = build_parser().parse_args(["--resume=latest" if a == "--resume" else a for a in rest])
+    args, overrides = parse_args(argv)
     if args.nproc and "LOCAL_RANK" not in os.environ:
         child = [a for a in argv if not a.startswith("--nproc=")]
         if "--nproc" in child:
