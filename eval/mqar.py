@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ttr.eval.progress import train_logging
 from ttr.eval.synthetic import MIXERS, accuracy, build_model, failure_lines, job_device, state_size, train
 from ttr.overrides import parse_assignment
 
@@ -232,7 +233,8 @@ def run_job(job: dict) -> dict:
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
     losses = train(
-        model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp
+        model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp,
+        **train_logging(job, steps),
     )
     correct = total = 0
     per_config = {}

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ttr.eval.progress import train_logging
 from ttr.eval.synthetic import accuracy, build_model, failure_lines, job_device, train
 
 MOD = 5
@@ -244,6 +245,7 @@ def run_job(job: dict) -> dict:
         weight_decay=job.get("weight_decay", 0.1),
         max_seconds=job.get("max_seconds"),
         amp_dtype=amp,
+        **train_logging(job, job["steps"] or None),
     )
     rng = random.Random(10_000 + job["seed"])
     per_length = {}

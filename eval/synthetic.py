@@ -144,7 +144,7 @@ def train(
         losses.append(loss.detach())
         if start is None:
             start = time.perf_counter()
-        if log is not None and (step % log_every == 0 or step == steps - 1):
+        if log is not None and (step % log_every == 0 or step + 1 == steps):
             log(step, loss.item())
     model.eval()
     return torch.stack(losses).float().tolist()

@@ -225,8 +225,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        with path.open("rb") as f:
-            table = tomllib.load(f)
+        try:
+            with path.open("rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     for arg in overrides:
         keys, value = parse_override(arg)
         node = table

@@ -113,8 +113,10 @@ class MetricsSink:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
 
 
 def _start_wandb(run_dir: Path, cfg):

@@ -12,3 +12,10 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_hub_check(monkeypatch):
+    """`ttr eval` checks that the Hub is reachable unless an offline mode is set: the tests never
+    touch the network (tests of the check itself remove the variable)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

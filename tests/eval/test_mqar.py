@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from ttr.errors import TTRError
 from ttr.eval.cli import main
 from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, MixtureBatches, generate_mqar, parse_configs
 from ttr.eval.synthetic import state_size
@@ -159,5 +160,5 @@ def test_mqar_rejects_bad_sweeps(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(tiny_mqar(tmp_path) + ["--variant", bad])
         assert "--variant" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="epochs"):
+    with pytest.raises(TTRError, match="epochs"):
         main(["mqar", "--epochs", "0"])

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ttr.errors import TTRError
 from ttr.eval import state_tracking as st
 from ttr.eval.cli import main
 
@@ -221,7 +222,7 @@ def test_model_shape_per_task_and_family(capsys):
     assert shape(st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=3, intermediate_size=64)) == (3, 64)
     with pytest.raises(ValueError, match="num_layers"):
         st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=0)
-    with pytest.raises(SystemExit, match="num_layers"):
+    with pytest.raises(TTRError, match="num_layers"):
         main(["state", "--num-layers", "0"])
 
 
@@ -239,5 +240,5 @@ def test_parity_sweep_checks_every_variant(tmp_path):
         assert f"- parity delta_net beta(0,2) wd={wd}: best run (lr 0.003, seed 0) min acc beyond training " in report
         assert f"- parity delta_net beta(0,1) wd={wd}: best run max acc beyond training " in report
     assert "of 1 seeds solve it" in report
-    with pytest.raises(SystemExit, match="steps"):
+    with pytest.raises(TTRError, match="steps"):
         main(["state", "--steps", "0"])
