@@ -223,8 +223,29 @@ class LMHead(nn.Linear):
             return super().forward(hidden)
         return ops.linear_cross_entropy(hidden, self.weight, targets, ignore_index=-100, reduction=reduction)
 
+    @classmethod
+    def adopt(cls, head: nn.Module) -> nn.Module:
+        """Make a plain bias-free ``nn.Linear`` (what transformers builds when it resizes the
+        vocabulary) an ``LMHead`` in place: same parameters, hooks and device, since the class adds
+        no state. Any other module is returned as it is."""
+        if type(head) is nn.Linear and head.bias is None:
+            head.__class__ = cls
+        return head
+
 
 class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
+    """The decoder with its output head.
+
+    Loss: with ``labels`` (HF convention: position t predicts ``labels[t + 1]``; -100 ignored;
+    summed and divided by ``num_items_in_batch`` when given) and ``config.fuse_cross_entropy``, the
+    head computes the fused linear cross-entropy, which never materialises the ``[B, T, vocab]``
+    logits. In training the output's ``logits`` are then ``None``; in eval mode (``model.eval()``,
+    as ``Trainer.evaluate`` / ``predict`` run it) the logits are computed and returned with the
+    loss. ``return_logits=True`` / ``False`` asks for them / skips them in either mode. A head that
+    is not an ``LMHead`` (for instance a PEFT wrapper around ``lm_head``) takes no targets; the
+    loss then comes from its logits.
+    """
+
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
 
     def __init__(self, config: TTRConfig):
@@ -243,7 +264,12 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
+        self.lm_head = LMHead.adopt(new_embeddings)
+
+    def _get_resized_lm_head(self, old_lm_head, *args, **kwargs):
+        # Adopted here rather than only in set_output_embeddings: resize_token_embeddings attaches
+        # accelerate's hooks to the new head in between, and they bind the class's forward.
+        return LMHead.adopt(super()._get_resized_lm_head(old_lm_head, *args, **kwargs))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -298,9 +324,12 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        return_logits: bool | None = None,
         return_dict: bool | None = True,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """``return_logits`` (only with ``labels``): also return the logits. Default: in eval mode
+        yes, in training no when the loss is fused (see the class docstring)."""
         if (
             cu_seqlens is None
             and position_ids is not None
@@ -320,14 +349,20 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
         loss = logits = None
-        if labels is None or not self.config.fuse_cross_entropy:
+        fused = labels is not None and self.config.fuse_cross_entropy and isinstance(self.lm_head, LMHead)
+        if return_logits is None:
+            return_logits = not self.training
+        if labels is None:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(hidden[:, keep] if labels is None else hidden)
+            logits = self.lm_head(hidden[:, keep])
+        elif return_logits or not fused:
+            logits = self.lm_head(hidden)
         if labels is not None:
             targets = self._targets(labels, hidden.shape[:2], cu_seqlens)
             reduction = "mean" if num_items_in_batch is None else "sum"
             if logits is None:
-                loss = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), targets=targets, reduction=reduction)
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                loss = self.lm_head(flat, targets=targets, reduction=reduction)
             else:
                 loss = F.cross_entropy(
                     logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction=reduction

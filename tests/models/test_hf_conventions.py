@@ -1,0 +1,110 @@
+"""What a transformers user does with a causal LM, on every family's debug preset (CPU, fp32):
+resize the vocabulary and train, get logits with the loss in eval mode (``Trainer.predict``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ttr.models.modeling import LMHead
+
+from .test_models import FAMILIES, VOCAB, make_model, rel_err
+
+
+def unfused_loss(model, ids, labels) -> torch.Tensor:
+    logits = model(ids, use_cache=False).logits
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resized_vocabulary_trains_with_the_fused_loss(family):
+    for size in (VOCAB + 3, VOCAB - 5):
+        model = make_model(family).train()
+        model.resize_token_embeddings(size, mean_resizing=False)
+        assert isinstance(model.lm_head, LMHead) and model.lm_head.weight.shape[0] == size
+        assert model.config.vocab_size == size
+        ids = torch.randint(0, size, (2, 9))
+        ids[0, -1] = size - 1
+        out = model(ids, labels=ids)
+        assert out.logits is None  # training: the fused path, no logits
+        out.loss.backward()
+        assert model.lm_head.weight.grad[size - 1].abs().sum() > 0
+        with torch.no_grad():
+            torch.testing.assert_close(out.loss, unfused_loss(model, ids, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_resized_tied_embeddings_stay_tied():
+    model = make_model("gated_deltanet", tie_word_embeddings=True).train()
+    model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    assert isinstance(model.lm_head, LMHead)
+    assert model.lm_head.weight.data_ptr() == model.model.embeddings.weight.data_ptr()
+    ids = torch.randint(0, VOCAB + 8, (2, 9))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(loss, unfused_loss(model, ids, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_head_of_another_class_gets_the_unfused_loss():
+    """A head whose forward takes no targets (a module assigned directly, a PEFT wrapper) is
+    still trained through its logits; set_output_embeddings adopts a plain bias-free Linear."""
+    model = make_model("gated_deltanet").train()
+    model.lm_head = nn.Linear(64, VOCAB, bias=True)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    out = model(ids, labels=ids)
+    assert out.logits is not None
+    with torch.no_grad():
+        torch.testing.assert_close(out.loss, unfused_loss(model, ids, ids))
+    model.set_output_embeddings(nn.Linear(64, VOCAB, bias=False))
+    assert isinstance(model.lm_head, LMHead) and model(ids, labels=ids).logits is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_with_labels_in_eval_mode(family):
+    model = make_model(family)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        plain = model(ids).logits
+        out = model(ids, labels=ids)
+        torch.testing.assert_close(out.logits, plain)
+        torch.testing.assert_close(out.loss, unfused_loss(model, ids, ids))
+        skipped = model(ids, labels=ids, return_logits=False)
+        assert skipped.logits is None
+        torch.testing.assert_close(skipped.loss, out.loss, rtol=1e-5, atol=1e-6)
+    model.train()
+    fused = model(ids, labels=ids)
+    assert fused.logits is None
+    asked = model(ids, labels=ids, return_logits=True)
+    assert rel_err(asked.logits, plain) < 1e-6
+    torch.testing.assert_close(asked.loss, fused.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_predict_and_compute_metrics(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = make_model("gated_deltanet_h2")
+    rows = [torch.randint(0, VOCAB, (8,)) for _ in range(5)]
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    seen = {}
+
+    def compute_metrics(pred):
+        seen["shape"] = pred.predictions.shape
+        return {"top1": float((pred.predictions[:, :-1].argmax(-1) == pred.label_ids[:, 1:]).mean())}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, compute_metrics=compute_metrics)
+    result = trainer.predict(data)
+    assert result.predictions.shape == (5, 8, VOCAB) == seen["shape"]
+    with torch.no_grad():
+        expected = model(torch.stack(rows)).logits
+        losses = [unfused_loss(model, r[None], r[None]) for r in rows]
+    torch.testing.assert_close(torch.from_numpy(result.predictions), expected, rtol=1e-5, atol=1e-5)
+    assert abs(result.metrics["test_loss"] - float(sum(losses) / 5)) < 1e-4
+    assert 0.0 <= result.metrics["test_top1"] <= 1.0
