@@ -284,19 +284,32 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = True,
         logits_to_keep: int | None = None,
+        next_sequence_length: int | None = None,
         **kwargs,
     ) -> dict:
+        """The positions the cache has not consumed yet. A prompt given as ``inputs_embeds`` is
+        consumed first; the ``input_ids`` transformers passes then hold only the generated tokens
+        (empty at the start), so what is new is counted from the end: ``next_sequence_length``
+        (transformers 5) or the 2-D ``attention_mask``, which spans cached and new positions.
+        ``position_ids`` from ``generate`` are dropped: the model derives positions from the mask
+        and the cache, and a row of generate's positions restarting at 0 would read as packing."""
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs = {
             "past_key_values": past_key_values,
             "attention_mask": attention_mask,
             "use_cache": use_cache,
+            "input_ids": None,
         }
-        if inputs_embeds is not None and seen == 0:
-            inputs["inputs_embeds"] = inputs_embeds
-            inputs["input_ids"] = None
+        if inputs_embeds is not None and seen < inputs_embeds.shape[1]:
+            inputs["inputs_embeds"] = inputs_embeds[:, seen:]
         else:
-            inputs["input_ids"] = input_ids[:, seen:].contiguous()
+            if next_sequence_length is not None:
+                new = next_sequence_length
+            elif attention_mask is not None:
+                new = attention_mask.shape[1] - seen
+            else:
+                new = input_ids.shape[1] - seen
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new :].contiguous()
         if logits_to_keep is not None:
             inputs["logits_to_keep"] = logits_to_keep
         return inputs

@@ -1,5 +1,6 @@
 """What a transformers user does with a causal LM, on every family's debug preset (CPU, fp32):
-resize the vocabulary and train, get logits with the loss in eval mode (``Trainer.predict``).
+resize the vocabulary and train, get logits with the loss in eval mode (``Trainer.predict``),
+generate from ``inputs_embeds``.
 """
 
 from __future__ import annotations
@@ -108,3 +109,24 @@ def test_trainer_predict_and_compute_metrics(tmp_path):
     torch.testing.assert_close(torch.from_numpy(result.predictions), expected, rtol=1e-5, atol=1e-5)
     assert abs(result.metrics["test_loss"] - float(sum(losses) / 5)) < 1e-4
     assert 0.0 <= result.metrics["test_top1"] <= 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_generate_from_inputs_embeds_matches_input_ids(family):
+    """Greedy and beam search from the prompt's embeddings == from its ids (generated tokens
+    only), on a left-padded batch, past the hybrids' window."""
+    model = make_model(family, pad_token_id=0, eos_token_id=None)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    ids[1, :3] = 0
+    mask = (ids != 0).long()
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    from_ids = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, **kwargs)
+    assert torch.equal(from_embeds, from_ids)
+    single = model.generate(inputs_embeds=embeds[:1], **kwargs)
+    assert torch.equal(single, from_ids[:1])
+    beams = dict(kwargs, num_beams=2)
+    from_ids = model.generate(input_ids=ids, attention_mask=mask, **beams)[:, ids.shape[1] :]
+    assert torch.equal(model.generate(inputs_embeds=embeds, attention_mask=mask, **beams), from_ids)
