@@ -16,6 +16,7 @@ Padding, packing and positions are resolved once here and handed to every layer:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from . import ops
 from .cache import TTRCache
@@ -111,6 +113,20 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
     return (idx - cu_seqlens.long()[doc])[None]
 
 
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+    """Exactly one of the two, ``[B, T]`` ids or ``[B, T, hidden]`` embeddings, neither empty."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if inputs_embeds is None:
+        name, given, shape = "input_ids", input_ids, "[B, T]"
+    else:
+        name, given, shape = "inputs_embeds", inputs_embeds, "[B, T, hidden]"
+    if given.dim() != shape.count(",") + 1:
+        raise ValueError(f"{name} must be {shape}, got shape {tuple(given.shape)}")
+    if 0 in given.shape[:2]:
+        raise ValueError(f"{name} is empty (shape {tuple(given.shape)}): need at least one row and position")
+
+
 class TTRModel(TTRPreTrainedModel):
     def __init__(self, config: TTRConfig):
         super().__init__(config)
@@ -118,6 +134,7 @@ class TTRModel(TTRPreTrainedModel):
         self.layers = nn.ModuleList(TTRBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        self._warned: set[str] = set()
         self.post_init()
 
     def get_input_embeddings(self):
@@ -140,6 +157,33 @@ class TTRModel(TTRPreTrainedModel):
         mask = full_mask[:, -t:]
         return (None if bool(mask.all()) else mask), full_mask
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _check_trained_positions(self, position_ids: torch.Tensor, bound: int | None) -> None:
+        """Warn once when a full-attention layer with rotary embeddings sees a position at or past
+        ``max_position_embeddings``: rotary scores depend on query-key offsets, which then exceed
+        any the configuration promises. Sliding-window layers are exempt (their offsets stay below
+        the window), as are the linear mixers (no positions). ``bound`` is an upper bound on the
+        positions when the model made them itself; it spares a device sync on short inputs."""
+        cfg = self.config
+        if "positions" in self._warned or cfg.rope_theta is None or "attn" not in cfg.layer_types:
+            return
+        limit = cfg.max_position_embeddings
+        if bound is not None and bound <= limit:
+            return
+        last = int(position_ids.max())
+        if last >= limit:
+            self._warn_once(
+                "positions",
+                f"the input reaches position {last}, past max_position_embeddings={limit} of this "
+                "model's rotary full-attention layers; outputs there are outside the configured range "
+                "(warned once per model)",
+            )
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -150,11 +194,21 @@ class TTRModel(TTRPreTrainedModel):
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = True,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        """Returns a tuple instead of the output object with ``return_dict=False`` (or
+        ``config.return_dict=False``), as transformers models do."""
+        check_inputs(input_ids, inputs_embeds)
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_attentions:
+            self._warn_once(
+                "attentions",
+                "output_attentions=True: ttr's mixers compute no attention maps (linear mixers keep a "
+                "state instead, and the attention kernels do not materialise the weights); the "
+                "output's attentions stay None",
+            )
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = hidden.shape[:2]
         if use_cache is None:
@@ -179,6 +233,7 @@ class TTRModel(TTRPreTrainedModel):
         cache = past_key_values if use_cache or past_key_values is not None else None
         seen = cache.seen_tokens if cache is not None else 0
         mask, full_mask = self._resolve_masks(attention_mask, b, t, seen)
+        bound = None if position_ids is not None else seen + t
         if position_ids is None:
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens, t)
@@ -186,6 +241,7 @@ class TTRModel(TTRPreTrainedModel):
                 position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
             else:
                 position_ids = torch.arange(seen, seen + t, device=hidden.device)[None].expand(b, t)
+        self._check_trained_positions(position_ids, bound)
         all_hidden = [] if output_hidden_states else None
         for layer in self.layers:
             if all_hidden is not None:
@@ -324,6 +380,7 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             targets[0, cu_seqlens[1:].long() - 1] = -100
         return targets.reshape(-1)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -337,12 +394,13 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_logits: bool | None = None,
-        return_dict: bool | None = True,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``return_logits`` (only with ``labels``): also return the logits. Default: in eval mode
-        yes, in training no when the loss is fused (see the class docstring)."""
+        yes, in training no when the loss is fused (see the class docstring). ``return_dict=False``
+        returns a tuple instead of the output object."""
         if (
             cu_seqlens is None
             and position_ids is not None
@@ -359,6 +417,8 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             cu_seqlens=cu_seqlens,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state
         loss = logits = None

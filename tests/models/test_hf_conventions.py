@@ -1,9 +1,11 @@
 """What a transformers user does with a causal LM, on every family's debug preset (CPU, fp32):
 resize the vocabulary and train, get logits with the loss in eval mode (``Trainer.predict``),
-generate from ``inputs_embeds``.
+generate from ``inputs_embeds``, feed bad input, ask for tuples or attention maps.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -130,3 +132,67 @@ def test_generate_from_inputs_embeds_matches_input_ids(family):
     beams = dict(kwargs, num_beams=2)
     from_ids = model.generate(input_ids=ids, attention_mask=mask, **beams)[:, ids.shape[1] :]
     assert torch.equal(model.generate(inputs_embeds=embeds, attention_mask=mask, **beams), from_ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_empty_and_malformed_input_raise_value_error(family):
+    model = make_model(family)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="inputs_embeds is empty"):
+        model(inputs_embeds=torch.zeros(0, 4, 64))
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
+        model(torch.zeros(5, dtype=torch.long))
+
+
+def caught(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in record if issubclass(w.category, UserWarning)]
+
+
+@torch.no_grad()
+def test_positions_past_max_position_embeddings_warn_once_per_model():
+    model = make_model("transformer", max_position_embeddings=8)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    assert caught(lambda: model(ids[:, :8])) == []
+    first = caught(lambda: model(ids))
+    assert len(first) == 1 and "max_position_embeddings=8" in first[0]
+    assert caught(lambda: model(ids)) == []
+    other = make_model("transformer", max_position_embeddings=8)
+    out = other(ids[:, :6], use_cache=True)
+    assert caught(lambda: other(ids[:, 6:8], past_key_values=out.past_key_values)) == []
+    # decoding one token at a time crosses the limit through the cache offset
+    assert len(caught(lambda: other(ids[:, 8:9], past_key_values=out.past_key_values))) == 1
+    # sliding-window layers see offsets below their window only, linear mixers no positions
+    assert caught(lambda: make_model("gated_deltanet_h1", max_position_embeddings=8)(ids)) == []
+
+
+@pytest.mark.parametrize("family", ["gated_deltanet", "transformer"])
+@torch.no_grad()
+def test_return_dict_false_gives_tuples(family):
+    model = make_model(family)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    out = model(ids, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], model(ids).logits)
+    loss, logits = model(ids, labels=ids, use_cache=False, return_dict=False)
+    torch.testing.assert_close(loss, model(ids, labels=ids).loss)
+    base = model.model(ids, use_cache=False, return_dict=False)
+    assert isinstance(base, tuple) and len(base) == 1
+    torch.testing.assert_close(base[0], model.model(ids).last_hidden_state)
+    model.config.return_dict = False
+    assert isinstance(model(ids), tuple) and isinstance(model.model(ids), tuple)
+
+
+@torch.no_grad()
+def test_output_attentions_warns_once():
+    model = make_model("gated_deltanet_h1")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    first = caught(lambda: model(ids, output_attentions=True))
+    assert len(first) == 1 and "no attention maps" in first[0]
+    record = []
+    assert caught(lambda: record.append(model(ids, output_attentions=True))) == []
+    assert record[0].attentions is None
