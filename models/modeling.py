@@ -32,6 +32,7 @@ from .cache import TTRCache
 from .configuration import TTRConfig
 from .layers import LAYER_TYPES
 from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU
+from .remote_code import AUTO_MAP, write_remote_code
 
 
 class TTRBlock(GradientCheckpointingLayer):
@@ -73,6 +74,15 @@ class TTRPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["TTRBlock"]
     _is_stateful = True
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """``PreTrainedModel.save_pretrained``, plus ``auto_map`` in ``config.json`` and the module
+        file it names, so the folder also loads with ``trust_remote_code=True`` in a process that
+        never imported ttr (see ``remote_code``)."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            write_remote_code(save_directory)
 
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
