@@ -78,9 +78,17 @@ class TTRPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """``PreTrainedModel.save_pretrained``, plus ``auto_map`` in ``config.json`` and the module
         file it names, so the folder also loads with ``trust_remote_code=True`` in a process that
-        never imported ttr (see ``remote_code``)."""
+        never imported ttr (see ``remote_code``). The in-memory config keeps its own ``auto_map``:
+        a config saved on its own has no module file beside it."""
+        previous = self.config.__dict__.get("auto_map")
         self.config.auto_map = dict(AUTO_MAP)
-        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        try:
+            super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        finally:
+            if previous is None:
+                del self.config.auto_map
+            else:
+                self.config.auto_map = previous
         if is_main_process:
             write_remote_code(save_directory)
 

@@ -65,6 +65,7 @@ def test_saved_folders_load_without_import_ttr(tmp_path):
         model.save_pretrained(folder)
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"] == AUTO_MAP and (folder / MODULE_FILE).is_file()
+        assert "auto_map" not in model.config.to_dict()  # only the folder has the module file
         ids = torch.randint(0, VOCAB, (2, 9))
         torch.save(ids, folder / "ids.pt")
         folders.append(str(folder))
