@@ -32,7 +32,7 @@ from .cache import TTRCache
 from .configuration import TTRConfig
 from .layers import LAYER_TYPES
 from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU
-from .remote_code import AUTO_MAP, write_remote_code
+from .remote_code import SavesRemoteCode
 
 
 class TTRBlock(GradientCheckpointingLayer):
@@ -68,29 +68,12 @@ class TTRBlock(GradientCheckpointingLayer):
         return hidden_states
 
 
-class TTRPreTrainedModel(PreTrainedModel):
+class TTRPreTrainedModel(SavesRemoteCode, PreTrainedModel):
     config_class = TTRConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["TTRBlock"]
     _is_stateful = True
-
-    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """``PreTrainedModel.save_pretrained``, plus ``auto_map`` in ``config.json`` and the module
-        file it names, so the folder also loads with ``trust_remote_code=True`` in a process that
-        never imported ttr (see ``remote_code``). The in-memory config keeps its own ``auto_map``:
-        a config saved on its own has no module file beside it."""
-        previous = self.config.__dict__.get("auto_map")
-        self.config.auto_map = dict(AUTO_MAP)
-        try:
-            super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        finally:
-            if previous is None:
-                del self.config.auto_map
-            else:
-                self.config.auto_map = previous
-        if is_main_process:
-            write_remote_code(save_directory)
 
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
