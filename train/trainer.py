@@ -313,6 +313,7 @@ class Trainer:
             cu_seqlens=batch["cu_seqlens"].to(dev, non_blocking=True),
             num_items_in_batch=num_items,
             use_cache=False,
+            return_logits=False,  # validation runs in eval mode, which would build the logits too
         ).loss
 
     def _trainer_state(self) -> dict:
