@@ -255,15 +255,20 @@ def test_tied_embeddings_and_dtype(tmp_path):
     assert type(AutoConfig.from_pretrained(tmp_path)) is TTRConfig
 
 
-def test_weight_init():
-    model = make_model("gated_deltanet_h2")
+@pytest.mark.parametrize("scheme", ["reference", "depth_scaled"])
+def test_weight_init(scheme):
+    """Mamba2's A and dt follow mamba_ssm; an output projection is N(0, initializer_range) as in
+    fla, scaled by 1/sqrt(number of residual branches) under ``depth_scaled``."""
+    model = make_model("gated_deltanet_h2", initializer_scheme=scheme)
     cfg = model.config
     mixer = model.model.layers[0].mixer  # mamba2
     assert torch.all(-mixer.A_log.exp() < 0)
     dt = torch.nn.functional.softplus(mixer.dt_bias)
     assert torch.all(dt >= cfg.dt_init_floor * 0.99) and torch.all(dt <= cfg.dt_max * 1.01)
     std = model.model.layers[1].mixer.o_proj.weight.std().item()
-    expected = cfg.initializer_range / (2 * cfg.num_hidden_layers) ** 0.5
+    expected = cfg.initializer_range
+    if scheme == "depth_scaled":
+        expected /= (2 * cfg.num_hidden_layers) ** 0.5
     assert abs(std - expected) < 0.2 * expected
 
 
