@@ -1,4 +1,4 @@
-"""The ``ttr`` command line: ``ttr train``, ``ttr export``, ``ttr eval``, ``ttr bench``.
+"""The ``ttr`` command line: ``ttr train``, ``ttr export``, ``ttr convert``, ``ttr eval``, ``ttr bench``.
 
 Sub-commands import their package lazily so ``ttr --help`` stays fast. Errors are caught here,
 once for every sub-command, and printed as one line (see ``ttr.errors``); ``--debug``, accepted
