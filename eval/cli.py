@@ -4,9 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import sys
+import time
+
+from ttr.errors import DEBUG_HELP, TTRError
+from ttr.eval.hub import offline_if_unreachable
+from ttr.eval.progress import SweepProgress
 
 
 def parse_csv(kind, *, above: float | None = None, at_least: float | None = None):
@@ -30,23 +37,67 @@ def parse_csv(kind, *, above: float | None = None, at_least: float | None = None
     return parse
 
 
-def parse_override(text: str) -> tuple[str, object]:
-    """``"KEY=VALUE"`` -> (key, value), the value parsed as JSON when it is JSON (numbers, null)."""
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+def argument(parse):
+    """An argparse ``type`` from a parser that raises ValueError: argparse then names the flag and
+    shows the parser's own message."""
+
+    def parse_argument(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_argument
 
 
 def _seconds(minutes: float | None) -> float | None:
     return None if minutes is None else 60.0 * minutes
 
 
+def model_dir(path: str) -> str:
+    """The ``save_pretrained`` folder to evaluate: ``path``, or ``path/export`` for a run directory."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "export", "config.json")):
+        return os.path.join(path, "export")
+    what = "does not exist" if not os.path.exists(path) else "has no config.json (nor export/config.json)"
+    raise TTRError(f"checkpoint {path!r} {what}: give a `ttr export` folder or a run directory with export/")
+
+
+@contextlib.contextmanager
+def results_dir(output: str | None, kind: str, model: str | None = None):
+    """The folder results go to: ``output``, else a new ``MODEL/eval/KIND-TIMESTAMP`` (``runs/KIND-
+    TIMESTAMP`` for the synthetic sweeps, which have no model folder), so that no earlier result is
+    overwritten. It is made first, so that one that cannot be written fails before the evaluation,
+    and removed again (when made here and still empty) if the evaluation fails."""
+    out = output
+    if not output:
+        base = os.path.join(model, "eval") if model else "runs"
+        out = base = os.path.join(base, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while os.path.exists(out):
+            n += 1
+            out = f"{base}-{n}"
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(out, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as err:
+        raise TTRError(f"cannot write results to {out!r} ({err.strerror or err}); choose a folder with --output") from None
+    try:
+        yield out
+    except BaseException:
+        for folder in made:  # deepest first
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
+        raise
+
+
 def _write(out_dir: str, name: str, content) -> str:
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     with open(path, "w") as f:
         if isinstance(content, str):
@@ -56,39 +107,56 @@ def _write(out_dir: str, name: str, content) -> str:
     return path
 
 
+def _offline_check(command: str) -> None:
+    note = offline_if_unreachable()
+    if note:
+        print(f"ttr eval {command}: {note}", file=sys.stderr)
+
+
 def _lm(args) -> int:
+    checkpoint = model_dir(args.checkpoint)
+    _offline_check("lm")
     from ttr.eval.lm_harness import evaluate, markdown_table, write_results
 
-    results = evaluate(
-        args.checkpoint,
-        args.tasks,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        limit=args.limit,
-        include_path=args.include_path or None,
-        log_samples=args.log_samples,
-        dtype=args.dtype,
-        device=args.device,
-    )
-    print(markdown_table(results))
-    json_path, md_path = write_results(results, args.output)
+    with results_dir(args.output, "lm", checkpoint) as out:
+        results = evaluate(
+            checkpoint,
+            args.tasks,
+            num_fewshot=args.num_fewshot,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            limit=args.limit,
+            include_path=args.include_path or None,
+            log_samples=args.log_samples,
+            dtype=args.dtype,
+            device=args.device,
+        )
+        print(markdown_table(results))
+        json_path, md_path = write_results(results, out)
     print(f"wrote {json_path} and {md_path}")
     return 0
 
 
 def _ppl(args) -> int:
+    checkpoint = model_dir(args.checkpoint)
+    if not glob.glob(args.data):  # a Hugging Face dataset name
+        _offline_check("ppl")
+    with results_dir(args.output, "ppl", checkpoint) as out:
+        return _perplexity(args, checkpoint, out)
+
+
+def _perplexity(args, checkpoint: str, out: str) -> int:
     from ttr.eval.common import load_checkpoint, training_context
     from ttr.eval.perplexity import extrapolation_sweep, perplexity, plot_sweep, read_documents
 
-    model, tokenizer = load_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device)
-    docs = read_documents(
+    docs = read_documents(  # before the model: a wrong path fails at once
         args.data,
         text_field=args.text_field,
         split=args.split,
         hf_config=args.hf_config,
         max_documents=args.max_documents,
     )
+    model, tokenizer = load_checkpoint(checkpoint, dtype=args.dtype, device=args.device)
     context = training_context(model.config, args.max_length)
     window = args.window if args.window is not None else context
     result = perplexity(
@@ -117,102 +185,93 @@ def _ppl(args) -> int:
         result["sweep"] = sweep
         for a, b, loss in zip(sweep["bucket_start"], sweep["bucket_end"], sweep["loss"]):
             print(f"  positions {a:>7}-{b - 1:<7} loss {loss:.4f}")
-        png = os.path.join(args.output, "extrapolation.png")
-        os.makedirs(args.output, exist_ok=True)
+        png = os.path.join(out, "extrapolation.png")
         plot_sweep({os.path.basename(os.path.normpath(args.checkpoint)): sweep}, png)
         print(f"wrote {png}")
-    print(f"wrote {_write(args.output, 'perplexity.json', result)}")
+    print(f"wrote {_write(out, 'perplexity.json', result)}")
     return 0
+
+
+def _sweep(task, jobs: list[dict], args, kind: str, stem: str) -> tuple[list, list, str]:
+    """Run a synthetic benchmark's sweep (``task.run_job`` per job, ``--jobs`` processes, its steps
+    and the time left on stderr), print ``task.report`` and write it and every result as ``stem``.md
+    / .json under ``--output`` (default: a new ``runs/KIND-TIMESTAMP``); returns the results, the
+    failed jobs and that folder."""
+    from ttr.eval.synthetic import run_sweep
+
+    with results_dir(args.output, kind) as out:
+        with SweepProgress(jobs, f"ttr eval {kind}", args.jobs) as progress:
+            results, failed = run_sweep(progress.wrap(task.run_job), jobs, args.jobs, out)
+        report = task.report(results, failed)
+        print(report)
+        _write(out, f"{stem}.md", report)
+        _write(out, f"{stem}.json", results + failed)
+    print(f"wrote {out}/{stem}.md, {stem}.json")
+    return results, failed, out
 
 
 def _mqar(args) -> int:
     from ttr.eval import mqar
-    from ttr.eval.synthetic import MIXERS, run_jobs
+    from ttr.eval.synthetic import MIXERS
 
     unknown = [m for m in args.mixer if m not in MIXERS]
     if unknown:
-        raise SystemExit(f"ttr eval mqar: --mixer: unknown {unknown}; expected some of {list(MIXERS)}")
-    overrides = dict(args.set or [])
-    jobs = [
-        mqar.make_job(
-            mixer, lr, d_model=d_model, num_heads=args.num_heads, seed=args.seed, vocab_size=args.vocab_size,
-            batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
-            train_configs=args.train_configs, test_configs=args.test_configs, overrides=overrides,
-            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
-        )  # fmt: skip
-        for mixer in args.mixer
-        for d_model in args.d_model
-        for lr in args.lrs
-    ]
-    for i, job in enumerate(jobs):
-        job["index"] = i
-    results = run_jobs(mqar.run_job, jobs, args.jobs)
-    table = mqar.markdown_table(results)
-    print(table)
-    for label, r in sorted(mqar.best_by_label(results).items()):
-        print(
-            f"best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)"
-        )
-    _write(args.output, "mqar.md", table)
-    _write(args.output, "mqar.json", results)
-    print(f"wrote {args.output}/mqar.md, mqar.json")
+        raise TTRError(f"--mixer: unknown {unknown}; expected some of {list(MIXERS)}")
     try:
-        mqar.plot(results, os.path.join(args.output, "mqar.png"))
-    except ImportError:
-        print("matplotlib is not installed: no mqar.png", file=sys.stderr)
-        return 0
-    print(f"wrote {args.output}/mqar.png")
-    return 0
+        jobs = mqar.sweep_jobs(
+            args.mixer, args.d_model, args.lrs, variants=args.variant or (), overrides=dict(args.set or []),
+            num_heads=args.num_heads, seed=args.seed, vocab_size=args.vocab_size, batch_size=args.batch_size,
+            eval_batch_size=args.eval_batch_size, steps=args.steps, epochs=args.epochs,
+            train_configs=args.train_configs, test_configs=args.test_configs, max_seconds=_seconds(args.max_minutes),
+            amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:  # a bad size or step count, named by its make_job argument
+        raise TTRError(str(e)) from None
+    results, failed, out = _sweep(mqar, jobs, args, "mqar", "mqar")
+    if results:
+        try:
+            mqar.plot(results, os.path.join(out, "mqar.png"))
+        except ImportError:
+            print("matplotlib is not installed (pip install 'ttr[eval]'): no mqar.png", file=sys.stderr)
+        else:
+            print(f"wrote {out}/mqar.png")
+    return 1 if failed else 0
 
 
 def _state(args) -> int:
     from ttr.eval import state_tracking as st
-    from ttr.eval.synthetic import run_jobs
 
     variants = {label: (mixer, ov) for label, mixer, ov in st.VARIANTS}
     chosen = args.variants or list(variants)
     unknown = [v for v in chosen if v not in variants]
     if unknown:
-        raise SystemExit(f"ttr eval state: --variants: unknown {unknown}; expected some of {list(variants)}")
+        raise TTRError(f"--variants: unknown {unknown}; expected some of {list(variants)}")
     for task in args.task:
         if task not in st.TASKS:
-            raise SystemExit(f"ttr eval state: --task: unknown {task!r}; expected some of {list(st.TASKS)}")
+            raise TTRError(f"--task: unknown {task!r}; expected some of {list(st.TASKS)}")
     try:
-        jobs = [
-            st.make_job(
-                task, label, lr, weight_decay=wd, seed=seed, d_model=args.d_model, num_layers=args.num_layers,
-                intermediate_size=args.intermediate_size, num_heads=args.num_heads, steps=args.steps,
-                batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
-                eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
-                max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
-            )  # fmt: skip
-            for task in args.task
-            for label in chosen
-            for lr in args.lrs
-            for wd in args.weight_decays
-            for seed in args.seeds
-        ]
-    except ValueError as e:  # a bad model size, named by its make_job argument
-        raise SystemExit(f"ttr eval state: {e}") from None
-    for i, job in enumerate(jobs):
-        job["index"] = i
-    results = run_jobs(st.run_job, jobs, args.jobs)
-    table = st.markdown_table(results)
-    print(table)
-    _write(args.output, "state_tracking.md", table)
-    _write(args.output, "state_tracking.json", results)
-    print(f"wrote {args.output}/state_tracking.md, state_tracking.json")
-    return 0
+        jobs = st.sweep_jobs(
+            args.task, chosen, args.lrs, weight_decays=args.weight_decays, seeds=args.seeds, d_model=args.d_model,
+            num_layers=args.num_layers, intermediate_size=args.intermediate_size, num_heads=args.num_heads,
+            steps=args.steps, batch_size=args.batch_size, train_min=args.train_min, train_max=args.train_max,
+            eval_lengths=args.eval_lengths, eval_examples=args.eval_examples, eval_batch_size=args.eval_batch_size,
+            max_seconds=_seconds(args.max_minutes), amp=not args.no_amp, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:  # a bad model size or step count, named by its make_job argument
+        raise TTRError(str(e)) from None
+    _, failed, _ = _sweep(st, jobs, args, "state", "state_tracking")
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, VOCAB_SIZE, parse_configs
+    from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, VOCAB_SIZE, parse_configs, parse_variant
+    from ttr.overrides import parse_assignment
 
-    parser = argparse.ArgumentParser(prog="ttr eval", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ttr eval", description=__doc__, epilog=DEBUG_HELP)
     sub = parser.add_subparsers(dest="what", required=True, metavar="{lm,ppl,mqar,state}")
 
     p = sub.add_parser("lm", help="lm-evaluation-harness tasks on a checkpoint")
-    p.add_argument("checkpoint", help="save_pretrained directory (ttr export output)")
+    p.add_argument("checkpoint", help="save_pretrained folder (ttr export output) or a run directory with export/")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", action="append", help="directory of extra task YAMLs (repeatable)")
     p.add_argument("--num-fewshot", type=int)
@@ -224,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
     p.add_argument("--log-samples", action="store_true")
-    p.add_argument("--output", default="eval_results")
+    p.add_argument("--output", help="results folder (default: a new CHECKPOINT/eval/lm-TIMESTAMP)")
     p.set_defaults(fn=_lm)
 
     p = sub.add_parser("ppl", help="token/word/byte perplexity, bits per byte, length-extrapolation sweep")
@@ -250,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per forward in the sweep")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device")
-    p.add_argument("--output", default="eval_results")
+    p.add_argument("--output", help="results folder (default: a new CHECKPOINT/eval/ppl-TIMESTAMP)")
     p.set_defaults(fn=_ppl)
 
     p = sub.add_parser("mqar", help="multi-query associative recall (Zoology protocol), lr sweep, plot")
@@ -258,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=parse_csv(int), default=[128])
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--lrs", type=parse_csv(float, above=0), default=[1e-4, 4.6e-4, 2.2e-3, 1e-2])
-    p.add_argument("--steps", type=int, default=0, help="training steps (0: --epochs over the training set)")
+    p.add_argument(
+        "--steps", type=int, default=0,
+        help="training steps (0: --epochs over the training set; both 0: the --max-minutes clock alone)",
+    )  # fmt: skip
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--eval-batch-size", type=int, default=250)
@@ -271,8 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--test-configs", type=parse_configs, default=TEST_CONFIGS, help=f"default {fmt(TEST_CONFIGS)}"
     )
     p.add_argument(
-        "--set", type=parse_override, action="append", metavar="KEY=VALUE", help="extra TTRConfig field"
-    )
+        "--set", type=argument(parse_assignment), action="append", metavar="KEY=VALUE",
+        help="a TTRConfig field for every model (VALUE: TOML, else JSON, else a string)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant", type=argument(parse_variant), action="append", metavar="MIXER:KEY=VALUE[,KEY=VALUE]",
+        help="one more model: MIXER with these TTRConfig fields (repeatable), e.g. attn:rope_theta=10000.0",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (several fit on one GPU)")
     p.add_argument(
@@ -280,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true", help="fp32 on GPU instead of bf16 autocast")
-    p.add_argument("--output", default="eval_results/mqar")
+    p.add_argument("--output", help="results folder (default: a new runs/mqar-TIMESTAMP)")
     p.set_defaults(fn=_mqar)
 
     p = sub.add_parser("state", help="state tracking: parity, modular arithmetic (with/without brackets)")
@@ -302,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--weight-decays", type=parse_csv(float, at_least=0), default=[0.1], help="AdamW weight decays (each run at every lr)"
     )
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=2000, help="training steps (0: the --max-minutes clock alone)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--train-min", type=int, default=3)
     p.add_argument("--train-max", type=int, default=40)
@@ -320,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device")
     p.add_argument("--no-amp", action="store_true")
-    p.add_argument("--output", default="eval_results/state")
+    p.add_argument("--output", help="results folder (default: a new runs/state-TIMESTAMP)")
     p.set_defaults(fn=_state)
     return parser
 

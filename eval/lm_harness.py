@@ -24,6 +24,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
 from ttr.eval.common import load_checkpoint, training_context
+from ttr.eval.hub import dataset_unavailable, is_offline_error
 
 
 @register_model("ttr")
@@ -118,6 +119,12 @@ def evaluate(
             if not os.path.isdir(p):
                 raise ValueError(f"include_path: {p!r} is not a directory")
         include_path = [os.fspath(p) for p in paths]
+    manager = TaskManager(include_path=include_path)
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t not in known and not os.path.isfile(t)]
+    if unknown:
+        raise ValueError(f"tasks: unknown {unknown} (lm-eval knows {len(known)} names: "
+                         "`lm_eval --tasks list`; local task YAMLs come in with include_path)")
     was_training = getattr(model, "training", False)
     try:
         lm = TTRLM(
@@ -135,12 +142,16 @@ def evaluate(
             limit=limit,
             log_samples=log_samples,
             bootstrap_iters=bootstrap_iters,
-            task_manager=TaskManager(include_path=include_path),
+            task_manager=manager,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
+    except Exception as err:
+        if is_offline_error(err):
+            raise dataset_unavailable(err) from err
+        raise
     finally:
         if was_training:
             model.train()

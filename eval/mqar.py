@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ttr.eval.synthetic import accuracy, build_model, job_device, state_size, train
+from ttr.eval.progress import train_logging
+from ttr.eval.synthetic import MIXERS, accuracy, build_model, failure_lines, job_device, state_size, train
+from ttr.overrides import parse_assignment
 
 VOCAB_SIZE = 8192
 POWER_A = 0.01
@@ -173,8 +175,13 @@ def make_job(
     device: str | None = None,
 ) -> dict:
     """One (mixer, d_model, lr) job for :func:`run_job`, as plain values (it crosses a process
-    boundary). ``steps`` 0 means ``epochs`` over the training set; the label names the model
-    (mixer, width, overrides), so :func:`best_by_label` picks the best lr per model."""
+    boundary). ``steps`` 0 means ``epochs`` over the training set, and both 0 training on the clock
+    alone (``max_seconds``); the label names the model (mixer, width, overrides), so
+    :func:`best_by_label` picks the best lr per model."""
+    if mixer not in MIXERS:
+        raise ValueError(f"mixer: expected one of {list(MIXERS)}, got {mixer!r}")
+    if steps < 0 or epochs < 0 or not (steps or epochs or max_seconds):
+        raise ValueError(f"steps, epochs: expected >= 0, and both 0 only with max_seconds; got {steps}, {epochs}")
     overrides = dict(overrides or {})
     label = f"{mixer} d={d_model}" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
     return dict(
@@ -222,11 +229,12 @@ def run_job(job: dict) -> dict:
         **job.get("overrides", {}),
     ).to(device)
     batches = MixtureBatches(train_data, job["batch_size"], seed=job["seed"])
-    steps = job["steps"] or job["epochs"] * batches.batches_per_epoch()
+    steps = job["steps"] or job["epochs"] * batches.batches_per_epoch() or None
     amp = torch.bfloat16 if (device.type == "cuda" and job.get("amp", True)) else None
     start = time.perf_counter()
     losses = train(
-        model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp
+        model, batches, steps=steps, lr=job["lr"], max_seconds=job.get("max_seconds"), amp_dtype=amp,
+        **train_logging(job, steps),
     )
     correct = total = 0
     per_config = {}
@@ -247,6 +255,52 @@ def run_job(job: dict) -> dict:
         "num_params": sum(p.numel() for p in model.parameters()),
         "seconds": time.perf_counter() - start,
     }
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"MIXER:KEY=VALUE,KEY=VALUE"`` -> (mixer, TTRConfig fields), the values in ``ttr.overrides``'
+    grammar: one more model of a sweep, e.g. ``attn:rope_theta=10000.0``."""
+    mixer, _, fields = text.partition(":")
+    if mixer not in MIXERS or not fields:
+        raise ValueError(f"expected MIXER:KEY=VALUE[,KEY=VALUE] with MIXER one of {list(MIXERS)}, got {text!r}")
+    return mixer, dict(parse_assignment(item) for item in fields.split(","))
+
+
+def sweep_jobs(mixers, d_models, lrs, *, variants=(), overrides=None, **settings) -> list[dict]:
+    """Jobs of a sweep: every model (each of ``mixers`` with ``overrides``, and each ``(mixer,
+    fields)`` of ``variants`` with ``overrides`` updated by its fields) at every width and lr;
+    ``settings`` are further :func:`make_job` arguments."""
+    overrides = dict(overrides or {})
+    models = [(m, overrides) for m in mixers] + [(m, {**overrides, **fields}) for m, fields in variants]
+    return [make_job(mixer, lr, d_model=d, overrides=fields, **settings)
+            for mixer, fields in models for d in d_models for lr in lrs]
+
+
+# Mean MQAR accuracy per mixer at d_model 128 read off the published MQAR figures (Zoology, and the
+# DeltaNet / Gated DeltaNet papers): the reference each mixer's best run is checked against.
+REFERENCE_ACCURACY = {"gated_deltanet": 0.99, "delta_net": 0.96, "gla": 0.77, "mamba2": 0.75, "attn": 1.0}
+
+
+def reference_checks(results: list[dict]) -> list[str]:
+    """One line per model of a mixer with a reference: its best run in both readings of "mean
+    accuracy", pooled over every test query (Zoology's ``valid/accuracy``, three quarters of whose
+    weight is on the two longest configurations) and the mean over the test configurations."""
+    lines = []
+    for label, r in sorted(best_by_label(results).items()):
+        ref = REFERENCE_ACCURACY.get(r["mixer"])
+        if ref is not None:
+            verdict = {k: "PASS" if r[k] >= ref else "FAIL" for k in ("accuracy", "config_mean")}
+            lines.append(f"- MQAR {label}: pooled {r['accuracy']:.4f} {verdict['accuracy']}, config mean "
+                         f"{r['config_mean']:.4f} {verdict['config_mean']} (reference >= {ref})")
+    return lines
+
+
+def report(results: list[dict], failed: list[dict]) -> str:
+    """The sweep's table, the best lr of every model, the reference checks and the failed jobs."""
+    best = [f"- best: {label}: lr {r['lr']:.2e} accuracy {r['accuracy']:.4f} ({r['seconds']:.0f} s, {r['steps']} steps)"
+            for label, r in sorted(best_by_label(results).items())]
+    lines = best + reference_checks(results) + failure_lines(failed)
+    return markdown_table(results) + ("\n\n" + "\n".join(lines) if lines else "")
 
 
 def best_by_label(results: list[dict]) -> dict[str, dict]:

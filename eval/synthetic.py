@@ -3,16 +3,23 @@ loop that scores only labelled positions, accuracy, state sizes, and a process p
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-MIXERS = ("gated_deltanet", "delta_net", "gla", "mamba2", "attn", "swa")
+from ttr.models.layers import LAYER_TYPES
+from ttr.optim import build_optimizer, lr_multiplier, set_lr
+
+MIXERS = tuple(LAYER_TYPES)
+# The schedule's length in steps when only the time budget bounds training: the budget always ends
+# the run first, and the schedule's position then follows the clock alone.
+CLOCK_STEPS = 2**62
 
 
 def build_model(
@@ -48,7 +55,7 @@ def build_model(
         eos_token_id=None,
         pad_token_id=None,
     )
-    if mixer in ("attn", "swa"):
+    if LAYER_TYPES[mixer].is_attention:
         # the conv of "short conv, then the mixer" (attention layers have none by default), and no
         # position encoding, as Zoology's attention baselines (max_position_embeddings=0): the conv
         # gives order, and lookups by content then hold at lengths beyond training (RoPE does not)
@@ -63,18 +70,7 @@ def build_model(
 
 def state_size(config, seq_len: int) -> int:
     """Recurrent-state elements summed over layers (KV-cache elements at ``seq_len`` for attention)."""
-    total = 0
-    for kind in config.layer_types:
-        if kind in ("gla", "delta_net", "gated_deltanet"):
-            total += config.num_heads * config.head_dim * config.value_head_dim
-        elif kind == "mamba2":
-            total += config.mamba_num_heads * config.mamba_state_size * config.mamba_head_dim
-        elif kind in ("attn", "swa"):
-            span = seq_len if kind == "attn" else min(seq_len, config.window_size)
-            total += 2 * span * config.attn_num_kv_heads * config.attn_head_dim
-        else:
-            raise ValueError(f"config.layer_types: unknown mixer {kind!r}")
-    return total
+    return sum(LAYER_TYPES[kind].state_size(config, seq_len) for kind in config.layer_types)
 
 
 def labelled_logits(model, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
@@ -89,19 +85,11 @@ def labelled_logits(model, input_ids: torch.Tensor, labels: torch.Tensor, ignore
     return logits.float(), labels[mask]
 
 
-def cosine_lr(progress: float, warmup: float) -> float:
-    """Linear warm-up over the first ``warmup`` fraction of training, then cosine decay to zero;
-    a multiplier of the peak learning rate at ``progress`` in [0, 1]."""
-    if progress < warmup:
-        return max(progress / warmup, 1e-3)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))))
-
-
 def train(
     model,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     *,
-    steps: int,
+    steps: int | None,
     lr: float,
     max_seconds: float | None = None,
     weight_decay: float = 0.1,
@@ -113,12 +101,18 @@ def train(
 ) -> list[float]:
     """AdamW on cross-entropy at labelled positions; returns the loss of every step taken.
 
-    Training progress is ``step / steps``, or with ``max_seconds`` the larger of that and the
-    fraction of the time budget spent: the schedule then completes (and training stops) when
-    the budget runs out (counted from the end of the first step), so a sweep of many jobs finishes
-    on time whatever the throughput.
-    ``log(step, loss)`` is called every ``log_every`` steps.
+    The optimiser and the schedule are ``ttr.optim``'s (the parameter groups of ``ttr train``, a
+    linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to zero). With
+    ``max_seconds`` the schedule's position is the larger of the steps taken and the same fraction
+    of ``steps`` as of the time budget spent (counted from the end of the first step): the schedule
+    then completes, and training stops, when the budget runs out, so a sweep of many jobs finishes
+    on time whatever the throughput; ``steps=None`` trains on the clock alone. ``log(step, loss)``
+    is called every ``log_every`` steps.
     """
+    if steps is None:
+        if max_seconds is None:
+            raise ValueError("steps: None trains on the clock alone and needs max_seconds")
+        steps = CLOCK_STEPS
     if steps < 1:
         raise ValueError(f"steps: expected >= 1, got {steps}")
     if not lr > 0:
@@ -126,24 +120,18 @@ def train(
     if max_seconds is not None and not max_seconds > 0:
         raise ValueError(f"max_seconds: expected > 0, got {max_seconds}")
     device = next(model.parameters()).device
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.98),
-    )
+    opt = build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    warmup_steps = int(warmup_fraction * steps)
     model.train()
     losses = []
     start = None  # the clock starts after the first step: compilation and autotuning stay out of the budget
     for step in range(steps):
-        progress = step / steps
+        position = step
         if max_seconds is not None and start is not None:
-            progress = max(progress, (time.perf_counter() - start) / max_seconds)
-            if progress >= 1.0:
+            position = max(step, int(steps * (time.perf_counter() - start) / max_seconds))
+            if position >= steps:
                 break
-        for group in opt.param_groups:
-            group["lr"] = lr * cosine_lr(progress, warmup_fraction)
+        set_lr(opt, lr * lr_multiplier(position, max_steps=steps, warmup_steps=warmup_steps))
         inputs, labels = next(batches)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -156,7 +144,7 @@ def train(
         losses.append(loss.detach())
         if start is None:
             start = time.perf_counter()
-        if log is not None and (step % log_every == 0 or step == steps - 1):
+        if log is not None and (step % log_every == 0 or step + 1 == steps):
             log(step, loss.item())
     model.eval()
     return torch.stack(losses).float().tolist()
@@ -219,3 +207,30 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], workers: int) -> list
         initargs=(threads,),
     ) as pool:
         return list(pool.map(fn, jobs))
+
+
+def _kept(fn: Callable[[dict], dict], job: dict) -> dict:
+    """``fn(job)``, or the job with its ``error`` when it raises; either way appended to the sweep's
+    ``jobs.jsonl`` at once, so a sweep cut short keeps every job that finished."""
+    try:
+        result = fn(job)
+    except Exception as e:  # noqa: BLE001 - one failed job is reported, the others keep their results
+        result = {**job, "error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(job["output"], "jobs.jsonl"), "a") as f:
+        f.write(json.dumps(result, default=str) + "\n")
+    return result
+
+
+def run_sweep(fn: Callable[[dict], dict], jobs: list[dict], workers: int, output: str) -> tuple[list, list]:
+    """Run every job of a sweep (``run_jobs``) with its index and ``output`` folder filled in; returns
+    ``(results, failed)``, a failed job being the job plus its ``error``."""
+    if not jobs:
+        raise ValueError("jobs: the sweep is empty")
+    os.makedirs(output, exist_ok=True)
+    jobs = [{**job, "index": i, "output": output} for i, job in enumerate(jobs)]
+    done = run_jobs(partial(_kept, fn), jobs, min(workers, len(jobs)))
+    return [r for r in done if "error" not in r], [r for r in done if "error" in r]
+
+
+def failure_lines(failed: list[dict]) -> list[str]:
+    return [f"- FAILED {r['label']} lr={r['lr']}: {r['error']}" for r in failed]

@@ -314,8 +314,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
     if activation == "silu" and t:
         # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
-        # shifts; recomputing the pre-activation at each shift instead measured 14 % slower on the
-        # H200 (docs/benchmarks.md)
+        # shifts instead of recomputing the pre-activation (and its sigmoid) at every shift
         da = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         bt1, bd1 = _blocks(t, d, backward=False)
         _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](

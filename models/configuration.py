@@ -39,12 +39,16 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .layers import LAYER_TYPES
+from ttr.kernels.utils import MAX_HEAD_DIM
 
-MAX_HEAD_DIM = 256
+from .layers import LAYER_TYPES
+from .layers.linear import LinearMixer
+
 INITIALIZER_SCHEMES = ("reference", "depth_scaled")
-LINEAR_TYPES = ("gla", "delta_net", "gated_deltanet")
-ATTENTION_TYPES = ("swa", "attn")
+
+# the mixers that read num_heads / head_dim / expand_v, and the softmax-attention ones
+LINEAR_TYPES = tuple(name for name, cls in LAYER_TYPES.items() if issubclass(cls, LinearMixer))
+ATTENTION_TYPES = tuple(name for name, cls in LAYER_TYPES.items() if cls.is_attention)
 
 
 def default_intermediate_size(hidden_size: int) -> int:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ttr.errors import DEBUG_HELP, TTRError
+
 from .configuration import TTRConfig
 
 # files copied unchanged next to the converted weights
@@ -34,8 +36,8 @@ TOKENIZER_FILES = (
 )
 
 
-class ConversionError(ValueError):
-    """A source folder or option that ttr cannot represent exactly."""
+class ConversionError(TTRError, ValueError):
+    """A source folder or option that ttr cannot represent exactly (one line from ``ttr convert``)."""
 
 
 def _option(src: dict, key: str, allowed, default, source: str):
@@ -374,22 +376,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def main(argv: list[str] | None = None) -> int:
     """``ttr convert SRC DST``: the command line of :func:`convert_checkpoint`."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(
         prog="ttr convert",
         description="Convert a save_pretrained folder (HF llama / mamba2, fla 0.6.0 gated_deltanet / "
         "delta_net / gla) into a ttr folder that loads with AutoModelForCausalLM.",
+        epilog=DEBUG_HELP,
     )
     parser.add_argument("src", help="source save_pretrained folder (config.json + weights)")
     parser.add_argument("dst", help="output folder (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep the source dtype)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty DST")
     args = parser.parse_args(argv)
-    try:
-        out = convert_checkpoint(args.src, args.dst, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
-    except (ConversionError, OSError) as err:
-        print(f"ttr convert: {err}", file=sys.stderr)
-        return 2
+    # a ConversionError or OSError reaches ttr's one error handler: one line, exit status 2
+    out = convert_checkpoint(args.src, args.dst, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0

@@ -16,6 +16,7 @@ Padding, packing and positions are resolved once here and handed to every layer:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +25,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from . import ops
 from .cache import TTRCache
 from .configuration import TTRConfig
 from .layers import LAYER_TYPES
 from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU
+from .remote_code import SavesRemoteCode
 
 
 class TTRBlock(GradientCheckpointingLayer):
@@ -65,7 +68,7 @@ class TTRBlock(GradientCheckpointingLayer):
         return hidden_states
 
 
-class TTRPreTrainedModel(PreTrainedModel):
+class TTRPreTrainedModel(SavesRemoteCode, PreTrainedModel):
     config_class = TTRConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -124,6 +127,20 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
     return (idx - cu_seqlens.long()[doc])[None]
 
 
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+    """Exactly one of the two, ``[B, T]`` ids or ``[B, T, hidden]`` embeddings, neither empty."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if inputs_embeds is None:
+        name, given, shape = "input_ids", input_ids, "[B, T]"
+    else:
+        name, given, shape = "inputs_embeds", inputs_embeds, "[B, T, hidden]"
+    if given.dim() != shape.count(",") + 1:
+        raise ValueError(f"{name} must be {shape}, got shape {tuple(given.shape)}")
+    if 0 in given.shape[:2]:
+        raise ValueError(f"{name} is empty (shape {tuple(given.shape)}): need at least one row and position")
+
+
 class TTRModel(TTRPreTrainedModel):
     def __init__(self, config: TTRConfig):
         super().__init__(config)
@@ -131,6 +148,7 @@ class TTRModel(TTRPreTrainedModel):
         self.layers = nn.ModuleList(TTRBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        self._warned: set[str] = set()
         self.post_init()
 
     def get_input_embeddings(self):
@@ -153,6 +171,33 @@ class TTRModel(TTRPreTrainedModel):
         mask = full_mask[:, -t:]
         return (None if bool(mask.all()) else mask), full_mask
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _check_trained_positions(self, position_ids: torch.Tensor, bound: int | None) -> None:
+        """Warn once when a full-attention layer with rotary embeddings sees a position at or past
+        ``max_position_embeddings``: rotary scores depend on query-key offsets, which then exceed
+        any the configuration promises. Sliding-window layers are exempt (their offsets stay below
+        the window), as are the linear mixers (no positions). ``bound`` is an upper bound on the
+        positions when the model made them itself; it spares a device sync on short inputs."""
+        cfg = self.config
+        if "positions" in self._warned or cfg.rope_theta is None or "attn" not in cfg.layer_types:
+            return
+        limit = cfg.max_position_embeddings
+        if bound is not None and bound <= limit:
+            return
+        last = int(position_ids.max())
+        if last >= limit:
+            self._warn_once(
+                "positions",
+                f"the input reaches position {last}, past max_position_embeddings={limit} of this "
+                "model's rotary full-attention layers; outputs there are outside the configured range "
+                "(warned once per model)",
+            )
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -163,11 +208,21 @@ class TTRModel(TTRPreTrainedModel):
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = True,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        """Returns a tuple instead of the output object with ``return_dict=False`` (or
+        ``config.return_dict=False``), as transformers models do."""
+        check_inputs(input_ids, inputs_embeds)
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_attentions:
+            self._warn_once(
+                "attentions",
+                "output_attentions=True: ttr's mixers compute no attention maps (linear mixers keep a "
+                "state instead, and the attention kernels do not materialise the weights); the "
+                "output's attentions stay None",
+            )
         hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = hidden.shape[:2]
         if use_cache is None:
@@ -192,6 +247,7 @@ class TTRModel(TTRPreTrainedModel):
         cache = past_key_values if use_cache or past_key_values is not None else None
         seen = cache.seen_tokens if cache is not None else 0
         mask, full_mask = self._resolve_masks(attention_mask, b, t, seen)
+        bound = None if position_ids is not None else seen + t
         if position_ids is None:
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens, t)
@@ -199,6 +255,7 @@ class TTRModel(TTRPreTrainedModel):
                 position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
             else:
                 position_ids = torch.arange(seen, seen + t, device=hidden.device)[None].expand(b, t)
+        self._check_trained_positions(position_ids, bound)
         all_hidden = [] if output_hidden_states else None
         for layer in self.layers:
             if all_hidden is not None:
@@ -236,8 +293,29 @@ class LMHead(nn.Linear):
             return super().forward(hidden)
         return ops.linear_cross_entropy(hidden, self.weight, targets, ignore_index=-100, reduction=reduction)
 
+    @classmethod
+    def adopt(cls, head: nn.Module) -> nn.Module:
+        """Make a plain bias-free ``nn.Linear`` (what transformers builds when it resizes the
+        vocabulary) an ``LMHead`` in place: same parameters, hooks and device, since the class adds
+        no state. Any other module is returned as it is."""
+        if type(head) is nn.Linear and head.bias is None:
+            head.__class__ = cls
+        return head
+
 
 class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
+    """The decoder with its output head.
+
+    Loss: with ``labels`` (HF convention: position t predicts ``labels[t + 1]``; -100 ignored;
+    summed and divided by ``num_items_in_batch`` when given) and ``config.fuse_cross_entropy``, the
+    head computes the fused linear cross-entropy, which never materialises the ``[B, T, vocab]``
+    logits. In training the output's ``logits`` are then ``None``; in eval mode (``model.eval()``,
+    as ``Trainer.evaluate`` / ``predict`` run it) the logits are computed and returned with the
+    loss. ``return_logits=True`` / ``False`` asks for them / skips them in either mode. A head that
+    is not an ``LMHead`` (for instance a PEFT wrapper around ``lm_head``) takes no targets; the
+    loss then comes from its logits.
+    """
+
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
 
     def __init__(self, config: TTRConfig):
@@ -256,7 +334,12 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
+        self.lm_head = LMHead.adopt(new_embeddings)
+
+    def _get_resized_lm_head(self, old_lm_head, *args, **kwargs):
+        # Adopted here rather than only in set_output_embeddings: resize_token_embeddings attaches
+        # accelerate's hooks to the new head in between, and they bind the class's forward.
+        return LMHead.adopt(super()._get_resized_lm_head(old_lm_head, *args, **kwargs))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -271,19 +354,32 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = True,
         logits_to_keep: int | None = None,
+        next_sequence_length: int | None = None,
         **kwargs,
     ) -> dict:
+        """The positions the cache has not consumed yet. A prompt given as ``inputs_embeds`` is
+        consumed first; the ``input_ids`` transformers passes then hold only the generated tokens
+        (empty at the start), so what is new is counted from the end: ``next_sequence_length``
+        (transformers 5) or the 2-D ``attention_mask``, which spans cached and new positions.
+        ``position_ids`` from ``generate`` are dropped: the model derives positions from the mask
+        and the cache, and a row of generate's positions restarting at 0 would read as packing."""
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs = {
             "past_key_values": past_key_values,
             "attention_mask": attention_mask,
             "use_cache": use_cache,
+            "input_ids": None,
         }
-        if inputs_embeds is not None and seen == 0:
-            inputs["inputs_embeds"] = inputs_embeds
-            inputs["input_ids"] = None
+        if inputs_embeds is not None and seen < inputs_embeds.shape[1]:
+            inputs["inputs_embeds"] = inputs_embeds[:, seen:]
         else:
-            inputs["input_ids"] = input_ids[:, seen:].contiguous()
+            if next_sequence_length is not None:
+                new = next_sequence_length
+            elif attention_mask is not None:
+                new = attention_mask.shape[1] - seen
+            else:
+                new = input_ids.shape[1] - seen
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - new :].contiguous()
         if logits_to_keep is not None:
             inputs["logits_to_keep"] = logits_to_keep
         return inputs
@@ -298,6 +394,7 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             targets[0, cu_seqlens[1:].long() - 1] = -100
         return targets.reshape(-1)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -311,9 +408,13 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = True,
+        output_attentions: bool | None = None,
+        return_logits: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """``return_logits`` (only with ``labels``): also return the logits. Default: in eval mode
+        yes, in training no when the loss is fused (see the class docstring). ``return_dict=False``
+        returns a tuple instead of the output object."""
         if (
             cu_seqlens is None
             and position_ids is not None
@@ -330,17 +431,25 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             cu_seqlens=cu_seqlens,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state
         loss = logits = None
-        if labels is None or not self.config.fuse_cross_entropy:
+        fused = labels is not None and self.config.fuse_cross_entropy and isinstance(self.lm_head, LMHead)
+        if return_logits is None:
+            return_logits = not self.training
+        if labels is None:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            logits = self.lm_head(hidden[:, keep] if labels is None else hidden)
+            logits = self.lm_head(hidden[:, keep])
+        elif return_logits or not fused:
+            logits = self.lm_head(hidden)
         if labels is not None:
             targets = self._targets(labels, hidden.shape[:2], cu_seqlens)
             reduction = "mean" if num_items_in_batch is None else "sum"
             if logits is None:
-                loss = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), targets=targets, reduction=reduction)
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                loss = self.lm_head(flat, targets=targets, reduction=reduction)
             else:
                 loss = F.cross_entropy(
                     logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction=reduction

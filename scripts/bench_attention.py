@@ -8,7 +8,7 @@ Columns: median ms of the forward and of forward+backward, and the peak memory o
 forward+backward above the inputs (MiB). A backend that fails prints its row with the error and
 the run goes on.
 
-    python -m ttr.scripts.bench_attention                # the issue's table
+    python -m ttr.scripts.bench_attention                # the table of docs/benchmarks.md
     python -m ttr.scripts.bench_attention --seqlens 4096 --window 1024 --reps 10
     python -m ttr.scripts.bench_attention --configs      # each autotune candidate of each kernel alone
 """

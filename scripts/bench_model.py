@@ -5,8 +5,8 @@
    ``--batch`` x ``--seq-len`` (8 x 4096), fp32 master weights under bf16 autocast, no
    activation checkpointing, and peak memory; then fla 0.6.0's ``GatedDeltaNetForCausalLM`` of
    the same shape in the same process (fla imported lazily; a failure becomes a row with the error).
-   On Hopper with Triton < 3.7.1 fla refuses its gated backward (its issue #640); for timing only
-   the guard is lifted, as DESIGN.md says, and the row says so.
+   On Hopper with Triton < 3.7.1 fla refuses its gated backward (fla issue #640); ``--lift-fla-guard``
+   lets it run for timing only, and the output then says so.
 2. Decoding: bf16 weights, a ``--prompt-len`` (1024) token prompt prefilled with the chunk
    kernels, then ``--gen-len`` tokens decoded one at a time with the recurrent kernels at batch 1
    and 64: tokens/s and allocated memory after 1/4, 1/2 and all of the generated tokens (constant
@@ -22,6 +22,8 @@ import gc
 import time
 
 import torch
+
+from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, lift_fla_guard
 
 GIB = 2**30
 
@@ -43,10 +45,8 @@ def build_ttr(preset: str):
 
 
 def build_fla(ttr_config):
-    import fla.ops.common.chunk_o as chunk_o
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: lifts fla's Hopper guard (fla issue #640)
     cfg = GatedDeltaNetConfig(
         hidden_size=ttr_config.hidden_size,
         num_hidden_layers=ttr_config.num_hidden_layers,
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-fla", action="store_true", help="skip the fla comparison row")
+    parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
     parser.add_argument("--no-train", action="store_true", help="skip the training rows")
     parser.add_argument("--no-decode", action="store_true", help="skip the decoding rows")
     parser.add_argument("--decode-batches", default="1,64")
@@ -147,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             "|---|---|---|---|---|",
         ]
         rows = [("ttr " + args.preset, lambda: build_ttr(args.preset))]
+        note = lift_fla_guard() if args.lift_fla_guard and not args.no_fla else None
         if not args.no_fla:
-            rows.append(
-                ("fla 0.6.0 GatedDeltaNetForCausalLM (issue-640 guard lifted)", lambda: build_fla(cfg))
-            )
+            rows.append(("fla 0.6.0 GatedDeltaNetForCausalLM", lambda: build_fla(cfg)))
         for name, build in rows:
             torch.manual_seed(0)
             try:
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {r['params'] / 1e9:.3f}B | {r['tokens_per_s'] / 1e3:.1f}K | {r['peak_gib']:.1f} | "
                 f"{first:.3f} -> {last:.3f} |"
             )
+        if note:
+            lines += ["", note]
         print("\n".join(lines), flush=True)
         printed = len(lines)
     if not args.no_decode:

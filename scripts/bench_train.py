@@ -10,8 +10,8 @@ T = 4096 by default), vocab 32000, no activation checkpointing, no compile, no c
 first ``steps - window`` steps warm up (Triton compilation, autotuning); tokens/s is measured
 over the last ``window`` steps. MFU uses ttr's per-mixer FLOP count (``ttr.train.metrics``)
 of each model against the GPU's dense bf16 peak. fla is imported only when asked for; on Hopper
-with Triton < 3.7.1 fla 0.6.0 refuses the gated backward (fla issue #640), so for timing this
-script sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`` and says so.
+with Triton < 3.7.1 fla 0.6.0 refuses the gated backward (fla issue #640), which
+``--lift-fla-guard`` lets it run, for timing only (the output then says so).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, lift_fla_guard
 from ttr.train.cli import CONFIG_DIR
 from ttr.train.config import load_config
-from ttr.train.metrics import mixer_flops_per_token, peak_flops
+from ttr.train.metrics import peak_flops, train_flops_per_token
 from ttr.train.trainer import Trainer
 
 
@@ -43,12 +44,8 @@ class FlaAdapter(torch.nn.Module):
     def __init__(self, ttr_config):
         super().__init__()
         import fla  # noqa: F401  (registers fla's classes)
-        import fla.ops.common.chunk_o as chunk_o
         from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
-        if not chunk_o.TRITON_ABOVE_3_7_1:
-            print("note: setting fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True for timing (fla issue #640)")
-            chunk_o.TRITON_ABOVE_3_7_1 = True
         c = ttr_config
         self.config_fla = GatedDeltaNetConfig(
             hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers, num_heads=c.num_heads,
@@ -60,15 +57,9 @@ class FlaAdapter(torch.nn.Module):
         self.model = GatedDeltaNetForCausalLM(self.config_fla)
         self.config = None  # the bench computes MFU itself
 
-    def forward(self, input_ids, labels, cu_seqlens, num_items_in_batch, use_cache=False):
+    def forward(self, input_ids, labels, cu_seqlens, num_items_in_batch, use_cache=False, return_logits=None):
         return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False,
                           num_items_in_batch=num_items_in_batch)
-
-
-def flops_per_token(model: torch.nn.Module, ttr_config, seq_len: int) -> float:
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    mixers = sum(mixer_flops_per_token(t, ttr_config, seq_len) for t in ttr_config.layer_types)
-    return 3.0 * (2.0 * linear + mixers)
 
 
 def bench(name: str, args) -> dict:
@@ -89,7 +80,7 @@ def bench(name: str, args) -> dict:
         shapes["config"] = model.config
         if name == "fla":
             model = FlaAdapter(model.config)
-        shapes["fpt"] = flops_per_token(model, shapes["config"], cfg_.train.seq_len)
+        shapes["fpt"] = train_flops_per_token(model, shapes["config"], cfg_.train.seq_len)
         return model
 
     trainer = NoCheckpointTrainer(cfg, overwrite=True, model_factory=factory)
@@ -120,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-root", default="runs/bench_train")
     parser.add_argument("--tokenizer", default="", help="tokenizer path (default: train the embedded BPE)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.steps <= args.window or args.window < 1 or args.steps % args.window:
         raise ValueError(f"--steps ({args.steps}) must be a multiple of --window ({args.window}) and larger")
@@ -127,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(models) - {"ttr", "fla"}
     if unknown:
         raise ValueError(f"--models takes ttr and/or fla, got {sorted(unknown)}")
+    note = lift_fla_guard() if args.lift_fla_guard and "fla" in models else None
     results = [bench(m, args) for m in models]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{device}, torch {torch.__version__}, B={args.micro_batch}, T={args.seq_len}, bf16 autocast, "
@@ -138,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
         print(f"| {r['model']} | {r['params'] / 1e9:.3f}B | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
               f"{r['loss']:.3f} |")
+    if note:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmark scripts (CUDA events, median of repeats; peak memory)."""
+"""Helpers shared by the benchmark scripts: timing (CUDA events, median of repeats), peak memory,
+per-stage sweeps, and the opt-in switch that lets fla 0.6.0 run on Hopper with an older Triton."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5
                      + "; ".join(f"{t:.3f} {c}" for t, c in results[:top]))
         print(lines[-1], flush=True)
     return lines
+
+
+FLA_GUARD_NOTE = (
+    "fla: fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 forced True (--lift-fla-guard), so that fla 0.6.0 runs its "
+    "gated backward on Hopper with Triton < 3.7.1; fla issue #640 says its results are wrong there: timing only."
+)
+LIFT_FLA_GUARD_HELP = (
+    "let fla 0.6.0 run the gated backward it refuses on Hopper with Triton < 3.7.1 (fla issue #640: wrong "
+    "results there, so for timing only; the output says so)"
+)
+
+
+def lift_fla_guard() -> str:
+    """Set fla 0.6.0's private ``TRITON_ABOVE_3_7_1`` flag, which it checks before running a gated
+    backward on Hopper; returns the note that every table timed this way must carry."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return FLA_GUARD_NOTE

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU checks on the lent H200 (run through the device tool from the repository root):
+# GPU tests and benchmarks from a checkout on a CUDA machine, without installing ttr (run from the
+# repository root):
 #   bash scripts/device_check.sh tests [PYTEST_ARGS...]   -> pytest -m gpu, log in $OUT/gpu_tests.log
-#   bash scripts/device_check.sh bench MODULE [ARGS...]   -> python -m MODULE ARGS, log in $OUT/<module>.log
-# Makes `import ttr` resolve to this checkout without installing it, and installs the carried
-# wheels in .whl (fla 0.6.0 for the side-by-side benchmarks) into /tmp/site.
+#   bash scripts/device_check.sh bench MODULE [ARGS...]   -> MODULE's main(ARGS), log in $OUT/<module>.log
+# Makes `import ttr` resolve to this checkout, and installs the wheels placed in .whl (fla 0.6.0
+# for the side-by-side benchmarks, on machines without a package index) into /tmp/site.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttr_out}
@@ -20,8 +21,8 @@ case "$mode" in
     ;;
   bench)
     mod=$1; shift
-    # through main() rather than `python -m`, so a script that other modules import (the row
-    # registry of bench_kernels) is loaded once
+    # through main() rather than `python -m`, so a module that is also imported by name (as the
+    # benchmarks import bench_utils) is loaded once, not a second time as __main__
     python3 -c "import sys; from $mod import main; sys.exit(main(sys.argv[1:]) or 0)" "$@" 2>&1 | tee -a "$OUT/${mod##*.}.log"
     ;;
   *) echo "usage: $0 tests|bench ..." >&2; exit 2 ;;

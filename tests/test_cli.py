@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import ttr
 from ttr.__main__ import main
 
@@ -31,7 +33,6 @@ def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
     """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
     measured, kernel table formatted (empty without CUDA)."""
     from ttr.scripts import bench_kernels
-    from ttr.scripts.bench_rows_gla_ssd import ROWS  # noqa: F401  (registers the ssd row)
 
     monkeypatch.setattr(bench_kernels, "TOKENS", 64)
     monkeypatch.setattr(bench_kernels, "HEADS", 2)
@@ -42,3 +43,82 @@ def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
     assert head.startswith("ssd 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
     assert float(head.split("host ")[1].split(" ms")[0]) > 0
     assert "| kernel | launches per call | ms per call |" in report
+
+
+def test_bench_rows_and_stages_are_checked_by_name(capsys):
+    """Every row of the kernel table is one of the script's own; --stages covers the engine's
+    pipelines (not SSD, which runs simple GLA's); an unknown name is a usage error naming --ops."""
+    from ttr.scripts import bench_kernels
+
+    assert list(bench_kernels.rows()) == ["gated_delta", "delta", "gla", "simple_gla", "ssd"]
+    assert set(bench_kernels.SWEEPS) <= set(bench_kernels.STAGE_CALLS) <= set(bench_kernels.rows())
+    for argv in (["--ops", "lstm"], ["--stages", "--ops", "ssd"]):
+        with pytest.raises(SystemExit):
+            bench_kernels.main(argv)
+        assert "--ops: unknown" in capsys.readouterr().err
+
+
+# the benchmark's inputs are bf16, which the interpreter loads as garbage: the closures run, their
+# values are not what this test checks
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
+    """Every stage closure that `ttr bench --stages` times runs (tiny shapes, Triton interpreter)."""
+    import torch
+
+    from ttr.kernels.utils import interpreter_active
+    from ttr.scripts import bench_kernels
+
+    if not interpreter_active():
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
+    monkeypatch.setattr(bench_kernels, "HEADS", 2)
+    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    for name, stage_calls in bench_kernels.STAGE_CALLS.items():
+        calls = stage_calls(1, 80, torch.device("cpu"))
+        assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)
+        for fn in calls.values():
+            fn()
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    """Every sub-command's errors go through one handler: one line on stderr and an exit status;
+    the traceback only with --debug (anywhere before a `--`)."""
+    import types
+
+    from ttr import __main__ as cli
+    from ttr.errors import TTRError
+
+    raised = []
+    fake = types.ModuleType("ttr_fake_command")
+
+    def fake_main(argv):
+        assert "--debug" not in argv[: argv.index("--") if "--" in argv else None]
+        raise raised[-1]
+
+    fake.main = fake_main
+    monkeypatch.setitem(sys.modules, "ttr_fake_command", fake)
+    monkeypatch.setitem(cli.COMMANDS, "train", ("ttr_fake_command", "fake"))
+    shared = TTRError("the run directory is in use")
+    shared.same_on_all_ranks = True
+    cases = [
+        (ValueError("train.seq_len must be >= 1\nmore detail"), 2, "ttr train: error: train.seq_len must be >= 1 ..."),
+        (FileNotFoundError(2, "No such file or directory", "data.jsonl"), 2,
+         "ttr train: error: [Errno 2] No such file or directory: 'data.jsonl'"),
+        (ModuleNotFoundError("No module named 'lm_eval'", name="lm_eval"), 2,
+         "ttr train: error: this needs the 'lm_eval' package, which is not installed (pip install 'ttr[eval]')"),
+        (RuntimeError("CUDA out of memory"), 1,
+         "ttr train: error: unexpected RuntimeError: CUDA out of memory (run again with --debug for the traceback)"),
+        (KeyboardInterrupt(), 130, "ttr train: interrupted"),
+        (shared, 2, "ttr train: error: the run directory is in use"),
+    ]
+    for err, code, line in cases:
+        raised.append(err)
+        assert main(["train", "x.toml"]) == code
+        assert capsys.readouterr().err == line + "\n"
+    monkeypatch.setenv("RANK", "1")  # rank 0 reports an error every rank raised alike
+    assert main(["train"]) == 2 and capsys.readouterr().err == ""
+    raised.append(ValueError("bad"))
+    assert main(["train"]) == 2 and capsys.readouterr().err == "ttr train: error: bad\n"
+    for argv in (["--debug", "train"], ["train", "x.toml", "--debug"]):
+        with pytest.raises(ValueError, match="bad"):
+            main(argv)
+    assert main(["train", "--", "--debug"]) == 2  # after `--` it is an argument like any other

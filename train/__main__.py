@@ -1,7 +1,8 @@
-"""``python -m ttr.train`` / ``accelerate launch -m ttr.train [CONFIG] [--section.key=value ...]``."""
+"""``python -m ttr.train`` / ``accelerate launch -m ttr.train [CONFIG] [--section.key=value ...]``:
+``ttr train`` in each launched process, with the same error reporting."""
 
 import sys
 
-from .cli import main
+from ttr.__main__ import main
 
-sys.exit(main())
+sys.exit(main(["train", *sys.argv[1:]]))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ttr.overrides import parse_assignment
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -208,14 +210,11 @@ def _validate(cfg: RunConfig) -> None:
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:
-    """``--train.max_steps=20`` -> (["train", "max_steps"], 20); values are read as TOML, else strings."""
+    """``--train.max_steps=20`` -> (["train", "max_steps"], 20); the value in ``ttr.overrides``'
+    grammar (TOML, else JSON, else the bare string)."""
     if not arg.startswith("--") or "=" not in arg:
         raise ValueError(f"override {arg!r} must look like --section.key=value")
-    key, raw = arg[2:].split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
+    key, value = parse_assignment(arg[2:])
     return key.split("."), value
 
 
@@ -226,8 +225,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist")
-        with path.open("rb") as f:
-            table = tomllib.load(f)
+        try:
+            with path.open("rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     for arg in overrides:
         keys, value = parse_override(arg)
         node = table

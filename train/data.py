@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
@@ -51,7 +55,20 @@ _WORKER: dict = {}
 
 
 def _worker_init(source, tokenizer) -> None:
+    # The main process handles Ctrl-C and SIGTERM (it saves a checkpoint, then shuts the workers
+    # down): a worker must neither print a KeyboardInterrupt traceback nor die from a signal sent
+    # to the whole process group, which would leave its chunk unanswered.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # ... so it must leave by itself when the main process is killed outright (SIGKILL, OOM)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     _WORKER["source"], _WORKER["tokenizer"] = source, tokenizer
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _encode_items(items: list, source=None, tok=None) -> list[np.ndarray]:
@@ -69,7 +86,12 @@ def _encode_items(items: list, source=None, tok=None) -> list[np.ndarray]:
 
 class Encoder:
     """Maps an iterator of items to token arrays, in order, with ``num_workers`` processes and a
-    bounded look-ahead (0 workers: in this process)."""
+    bounded look-ahead (0 workers: in this process).
+
+    A ``ProcessPoolExecutor`` rather than a ``multiprocessing.Pool``: a worker that dies (killed,
+    out of memory) raises ``BrokenProcessPool`` here instead of leaving its task unanswered, and
+    shutting down waits for the chunks in flight instead of signalling the workers (which ignore
+    signals, see ``_worker_init``)."""
 
     def __init__(self, source, tokenizer, num_workers: int, chunk: int = 8):
         self.num_workers, self.chunk = num_workers, chunk
@@ -80,7 +102,8 @@ class Encoder:
             # fork like torch's DataLoader (the workers only tokenise; spawn would re-import torch
             # and transformers in each worker, seconds of start-up), spawn where fork is missing
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            self.pool = ctx.Pool(num_workers, initializer=_worker_init, initargs=(source, tokenizer))
+            self.pool = ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_worker_init,
+                                            initargs=(source, tokenizer))
 
     def map(self, items: Iterator) -> Iterator[np.ndarray]:
         if self.pool is None:
@@ -95,15 +118,14 @@ class Encoder:
                 batch = [x for _, x in zip(range(self.chunk), items)]
                 exhausted = len(batch) < self.chunk
                 if batch:
-                    pending.append(self.pool.apply_async(_encode_items, (batch,)))
+                    pending.append(self.pool.submit(_encode_items, batch))
             if not pending:
                 return
-            yield from pending.popleft().get()
+            yield from pending.popleft().result()
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
 
 

@@ -1,22 +1,12 @@
 """Model FLOPs, MFU, and the metric sinks (JSONL always, wandb when installed, a progress bar).
 
-FLOPs per trained token (forward + backward = 3 x forward) are, with T the context length,
-C = 64 the chunk size, and per layer:
-
-* every ``nn.Linear`` (projections, gates, MLP, the LM head): ``2 * in * out`` per token;
-  embeddings lookups, short convolutions (``2 * width * channels``, < 0.5%), norms and
-  elementwise gates are not counted;
-* ``attn``: ``4 * Hq * D * L`` with ``L = (T + 1) / 2`` keys per query on average (QK^T and PV,
-  causal); ``swa``: the same with ``L`` the mean of ``min(t + 1, W)`` over t < T;
-* ``gla`` and ``mamba2`` (chunked SSD form), per head with key dim K and value dim V (Mamba2:
-  K = state size, V = head dim): ``2C(K + V)`` intra-chunk (QK^T, AV) ``+ 4KV`` (output from the
-  state, state update);
-* ``delta_net`` / ``gated_deltanet``: the above plus the WY terms, ``KK^T`` (2CK), ``W = TK``
-  (2CK), ``U = TV`` (2CV) and ``U - WS`` (2KV): ``6CK + 4CV + 6KV``; the triangular inverse
-  (about C^2/3) is left out.
-
-Only attention layers get a term quadratic in T. MFU = achieved FLOPs / (devices x the dense bf16
-peak of the GPU); the peak is looked up by device name (``TTR_PEAK_TFLOPS`` overrides).
+FLOPs per trained token are forward + backward = 3 x forward, the forward being ``2 * in * out``
+for every ``nn.Linear`` (projections, gates, MLP, the LM head) plus each layer's sequence mixing,
+which its mixer class counts (``flops_per_token`` of ``ttr.models.layers.LAYER_TYPES``: the
+chunkwise form for the linear mixers, causal or windowed QK^T and PV for attention, the only
+term quadratic in T). Embedding lookups, short convolutions, norms and element-wise gates are not
+counted. MFU = achieved FLOPs / (devices x the dense bf16 peak of the GPU); the peak is looked up
+by device name (``TTR_PEAK_TFLOPS`` overrides).
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-CHUNK = 64
+from ttr.models.layers import LAYER_TYPES
 
 # dense bf16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' data sheets
 PEAK_BF16_TFLOPS = [
@@ -47,23 +37,9 @@ PEAK_BF16_TFLOPS = [
 
 def mixer_flops_per_token(layer_type: str, config, seq_len: int) -> float:
     """Forward FLOPs per token of the sequence-mixing part of one layer (linear layers excluded)."""
-    c = config
-    if layer_type in ("attn", "swa"):
-        if layer_type == "attn" or c.window_size >= seq_len:
-            keys = (seq_len + 1) / 2
-        else:
-            w = c.window_size
-            keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
-        return 4.0 * c.attn_num_heads * c.attn_head_dim * keys
-    if layer_type == "mamba2":
-        heads, k, v = c.mamba_num_heads, c.mamba_state_size, c.mamba_head_dim
-        return heads * (2.0 * CHUNK * (k + v) + 4.0 * k * v)
-    heads, k, v = c.num_heads, c.head_dim, c.value_head_dim
-    if layer_type == "gla":
-        return heads * (2.0 * CHUNK * (k + v) + 4.0 * k * v)
-    if layer_type in ("delta_net", "gated_deltanet"):
-        return heads * (6.0 * CHUNK * k + 4.0 * CHUNK * v + 6.0 * k * v)
-    raise ValueError(f"layer_type {layer_type!r} has no FLOP formula")
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"layer_type: expected one of {sorted(LAYER_TYPES)}, got {layer_type!r}")
+    return LAYER_TYPES[layer_type].flops_per_token(config, seq_len)
 
 
 def linear_params(model: torch.nn.Module) -> int:
@@ -137,8 +113,10 @@ class MetricsSink:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
 
 
 def _start_wandb(run_dir: Path, cfg):

@@ -15,34 +15,67 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ttr.errors import TTRError, one_line
+from ttr.optim import build_optimizer, lr_multiplier, set_lr
+
+from .checkpoint import (
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+    shape_mismatch,
+    verify_checkpoint,
+)
 from .data import BatchStream, Encoder, HFDocStream, MapDocStream, validation_batches, validation_ids
+from .lock import RunLock
 from .metrics import MetricsSink, peak_flops, peak_memory_gib, train_flops_per_token
-from .optim import build_optimizer, lr_multiplier, set_lr
+from .ranks import gather, on_main
+from .report import finish_report
+from .rundir import RESUME_MODES, after_resume, claim, config_changes, remove_created
 from .sources import open_source
 from .tokenizer import SentencePieceTokenizer, load_tokenizer
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(TTRError):
     """Raised when the run cannot continue (too many non-finite steps in a row)."""
+
+    exit_code = 1
+
+
+class Aborted(KeyboardInterrupt):
+    """A second stop signal before the checkpoint was begun: stop at once, without saving.
+    A ``KeyboardInterrupt`` so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Trainer:
-    def __init__(self, cfg, *, resume: bool = False, overwrite: bool = False, model_factory=None):
-        if resume and overwrite:
+    """``resume``: False (a fresh start into an empty ``run_dir``), True or ``"latest"`` (continue
+    from the newest checkpoint that loads; an error when there is none) or ``"auto"`` (the same,
+    or a fresh start when there is no checkpoint); ``resume_from`` names the checkpoint instead.
+    ``overwrite`` empties ``run_dir`` first."""
+
+    def __init__(self, cfg, *, resume: bool | str = False, resume_from: str | None = None, overwrite: bool = False,
+                 model_factory=None):
+        mode = {False: None, True: "latest"}.get(resume, resume) if isinstance(resume, (bool, str)) else resume
+        if mode not in (None, *RESUME_MODES):
+            raise ValueError(f"resume: expected a bool, 'latest' or 'auto', got {resume!r}")
+        if (mode or resume_from) and overwrite:
             raise ValueError("resume and overwrite are mutually exclusive")
-        self.cfg, self.resume, self.overwrite = cfg, resume, overwrite
+        self.cfg, self.resume, self.resume_from, self.overwrite = cfg, mode, resume_from, overwrite
         self.model_factory = model_factory or build_model
-        self.stop_signal = None
-        self.encoder = None
+        self.stop_signal, self.signals_received, self.saving = None, 0, False
+        self.encoder = self.sink = self.claim = self.lock = None
+        self.last_checkpoint = self.export_dir = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -81,21 +114,12 @@ class Trainer:
         self.mode = mode
         return Accelerator(**kwargs)
 
-    def _prepare_run_dir(self) -> Path:
-        cfg = self.cfg
-        run_dir = Path(cfg.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    def _note(self, text: str) -> None:
         if self.acc.is_main_process:
-            busy = run_dir.exists() and any(run_dir.iterdir())
-            if busy and self.overwrite:
-                shutil.rmtree(run_dir)
-            elif busy and not self.resume:
-                raise FileExistsError(
-                    f"run directory {str(run_dir)!r} already exists and is not empty; "
-                    "pass --resume to continue it or --overwrite to replace it"
-                )
-            run_dir.mkdir(parents=True, exist_ok=True)
-        self.acc.wait_for_everyone()
-        return run_dir
+            if self.sink is not None:
+                self.sink.message(text)
+            else:
+                print(f"ttr train: {text}", file=sys.stderr, flush=True)
 
     def _tokenizer(self, source):
         cfg = self.cfg
@@ -107,8 +131,12 @@ class Trainer:
         if source is None:
             raise ValueError("data.source 'hf:...' needs tokenizer.path (ttr trains tokenizers on local data only)")
 
+        ids = np.random.default_rng(0).permutation(len(source))[: cfg.tokenizer.train_docs]
+        if not any(len(source.get(int(i))) for i in ids):  # stops at the first document with text
+            raise ValueError(f"data.source {cfg.data.source!r}: no text to train a tokenizer on "
+                             f"({len(source)} documents, all empty)")
+
         def texts():
-            ids = np.random.default_rng(0).permutation(len(source))[: cfg.tokenizer.train_docs]
             for i in ids:
                 doc = source.get(int(i))
                 if not isinstance(doc, str):
@@ -156,12 +184,18 @@ class Trainer:
         if self.acc.device.type == "cpu" and cfg.train.cpu_threads:
             torch.set_num_threads(cfg.train.cpu_threads)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
-        self.run_dir = self._prepare_run_dir()
-        self.ckpt = latest_checkpoint(self.run_dir) if self.resume else None
+        self.run_dir = Path(cfg.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.lock = RunLock(self.run_dir)  # taken and held by rank 0 only
+        self.claim = on_main(self.acc, lambda: claim(self.run_dir, self.lock, resume=self.resume,
+                                                     resume_from=self.resume_from, overwrite=self.overwrite))
+        for note in self.claim.notes:
+            self._note(note)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         source = open_source(cfg.data.source, cfg.data.text_key)
+        if source is not None and len(source) == 0:
+            raise ValueError(f"data.source {cfg.data.source!r} holds no documents")
         self.tokenizer = self._tokenizer(source)
         doc_stream = self._data(source, self.tokenizer)
 
@@ -187,24 +221,16 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(model, self.config, t.seq_len) if self.config else None
         self.num_params = sum(p.numel() for p in model.parameters())
         fused = torch.cuda.is_available() and self.mode != "fsdp"
-        optimizer = build_optimizer(model, cfg.optim, fused=fused or None)
+        o = cfg.optim
+        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+                                    fused=fused or None)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         if t.compile:
             self.model = torch.compile(self.model)
         self.inner = self.acc.unwrap_model(self.model, keep_torch_compile=False)
 
         self.step, self.tokens, self.nonfinite_total, self.nonfinite_streak = 0, 0, 0, 0
-        data_state = None
-        if self.ckpt is not None:
-            state = load_checkpoint(self.ckpt, self.inner, self.optimizer, rank=self.rank)
-            if state["world_size"] != self.world:
-                raise ValueError(
-                    f"checkpoint {self.ckpt} was written by {state['world_size']} processes; resume it with "
-                    f"the same number (now {self.world}) so every rank continues its data exactly"
-                )
-            self.step, self.tokens = state["step"], state["tokens"]
-            self.nonfinite_total, self.nonfinite_streak = state["nonfinite_total"], state["nonfinite_streak"]
-            data_state = state["data"][self.rank]
+        data_state = self._resume(self.claim.candidates)
         self.batches = BatchStream(doc_stream, t.micro_batch_size, t.seq_len, data_state)
         if self.acc.is_main_process:
             (self.run_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -215,6 +241,61 @@ class Trainer:
                 self.tokenizer.save_hf(tok_dir)
         self.sink = MetricsSink(self.run_dir, cfg, enabled=self.acc.is_main_process,
                                 total_steps=t.max_steps, start_step=self.step)
+
+    def _resume(self, candidates: list[str]) -> dict | None:
+        """Load the first of ``candidates`` that is intact and loads (collective); returns this
+        rank's data position, None for a fresh start. A damaged one is reported and skipped,
+        unless named by ``resume_from``; a model that does not fit the checkpoint is an error."""
+        try:
+            data_state, bad = self._load_first_good(candidates)
+        except TTRError as err:
+            err.same_on_all_ranks = True  # decided on gathered facts: rank 0 reports it
+            raise
+        if self.resume or self.resume_from:
+            for note in on_main(self.acc, lambda: after_resume(self.run_dir, bad, self.step)):
+                self._note(note)
+        return data_state
+
+    def _load_first_good(self, candidates: list[str]) -> tuple[dict | None, list[str]]:
+        bad = []
+        for path in map(Path, candidates):
+            reasons = gather(self.acc, verify_checkpoint(path, part=(self.rank, self.world)))
+            reason = next((r for r in reasons if r), None)
+            if reason is None:
+                before = read_trainer_state(path).get("config", {})
+                mismatch = shape_mismatch(path, self.inner)
+                if mismatch:
+                    changes = [c for c in config_changes(before, self.cfg.to_dict()) if c.startswith("model.")]
+                    raise TTRError(
+                        f"cannot resume from {path}: the model does not fit it ({mismatch}); "
+                        + (f"config changes: {'; '.join(changes)}" if changes else "the model config is unchanged")
+                    )
+                try:
+                    state = load_checkpoint(path, self.inner, self.optimizer, rank=self.rank)
+                except Exception as err:  # noqa: BLE001 - any failure to load makes it unusable
+                    reason = f"it does not load ({type(err).__name__}: {one_line(str(err))})"
+            if reason is not None:
+                if self.resume_from:
+                    raise TTRError(f"cannot resume from {path}: {reason}")
+                self._note(f"skipping checkpoint {path}: {reason}")
+                bad.append(path.name)
+                continue
+            if state["world_size"] != self.world:
+                raise TTRError(
+                    f"checkpoint {path} was written by {state['world_size']} processes; resume it with the same "
+                    f"number (now {self.world}) so every rank continues its data exactly"
+                )
+            self.step, self.tokens = state["step"], state["tokens"]
+            self.nonfinite_total, self.nonfinite_streak = state["nonfinite_total"], state["nonfinite_streak"]
+            self._note(f"resuming from {path} (step {self.step})")
+            self.last_checkpoint = path
+            changes = config_changes(before, self.cfg.to_dict())
+            if changes:
+                self._note(f"config changed since that checkpoint: {'; '.join(changes)}")
+            return state["data"][self.rank], bad
+        if candidates:
+            raise TTRError(f"no checkpoint in {self.run_dir / 'checkpoints'} can be resumed (see the reasons above)")
+        return None, bad
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -232,24 +313,27 @@ class Trainer:
             cu_seqlens=batch["cu_seqlens"].to(dev, non_blocking=True),
             num_items_in_batch=num_items,
             use_cache=False,
+            return_logits=False,  # validation runs in eval mode, which would build the logits too
         ).loss
 
     def _trainer_state(self) -> dict:
-        states = [self.batches.state()]
-        if self.world > 1:
-            from accelerate.utils import gather_object
-
-            states = gather_object(states)  # rank order
         return {
-            "step": self.step, "tokens": self.tokens, "world_size": self.world, "data": states,
+            "step": self.step, "tokens": self.tokens, "world_size": self.world,
+            "data": gather(self.acc, self.batches.state()),
             "nonfinite_total": self.nonfinite_total, "nonfinite_streak": self.nonfinite_streak,
             "config": self.cfg.to_dict(),
         }
 
     def save(self) -> Path:
         state = self._trainer_state()
-        path = save_checkpoint(self.run_dir, self.step, self.inner, self.optimizer, state, rank=self.rank,
-                               barrier=self.acc.wait_for_everyone, keep_last=self.cfg.checkpoint.keep_last)
+        was, self.saving = self.saving, True  # a second signal now waits for the checkpoint
+        try:
+            path = save_checkpoint(self.run_dir, self.step, self.inner, self.optimizer, state, rank=self.rank,
+                                   world=self.world, barrier=self.acc.wait_for_everyone,
+                                   gather=lambda obj: gather(self.acc, obj), keep_last=self.cfg.checkpoint.keep_last)
+        finally:
+            self.saving = was
+        self.last_checkpoint = path
         self.sink.message(f"checkpoint saved: {path}")
         return path
 
@@ -266,10 +350,20 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     def _handle_signal(self, signum, frame):
-        if self.stop_signal is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
-        self.stop_signal = signum
-        self.sink.message(f"received {signal.Signals(signum).name}: saving a checkpoint after this step")
+        # Signals often come in pairs (a scheduler signals the process group and a launcher
+        # forwards the same signal; Ctrl-C pressed twice), so a second one never costs the
+        # checkpoint; a third stops at once, unless the checkpoint is being written.
+        name = signal.Signals(signum).name
+        self.signals_received += 1
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            self.sink.message(f"received {name}: saving a checkpoint after this step (a third signal stops at once, "
+                              "without it)")
+        elif self.saving or self.signals_received < 3:
+            self.sink.message(f"received {name} again: still stopping, after the checkpoint")
+        else:
+            raise Aborted(f"third stop signal ({name}): stopped during step {self.step + 1} without saving it; the "
+                          f"last checkpoint is {self.last_checkpoint or 'none'}", 128 + self.stop_signal)
 
     def _stop_requested(self) -> bool:
         return self._sum(1.0 if self.stop_signal is not None else 0.0) > 0
@@ -321,72 +415,87 @@ class Trainer:
                 "tokens": self.tokens, "nonfinite_total": self.nonfinite_total}
 
     def run(self) -> dict:
-        """Train to ``train.max_steps``; returns the last metrics record (and ``stopped_by``)."""
+        """Train to ``train.max_steps``; returns the last metrics record (with ``stopped_by`` when
+        a signal stopped the run)."""
         try:
-            self.setup()
-        except BaseException:
-            if getattr(self, "encoder", None) is not None:  # no orphaned tokenisation workers
+            try:
+                self.setup()
+            except BaseException:
+                if self.claim is not None and self.claim.created and self.acc.is_main_process:
+                    remove_created(self.run_dir, self.lock)  # a failed first start leaves nothing behind
+                raise
+            old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                return self._loop()
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+        finally:
+            if self.encoder is not None:  # no orphaned tokenisation workers
                 self.encoder.close()
-            raise
+            if self.sink is not None:
+                self.sink.close()
+            if self.lock is not None:
+                self.lock.release()
+
+    def _loop(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         record: dict = {}
         self.history: list[dict] = []
-        try:
-            self.sink.message(
-                f"run {self.run_dir}: {self.num_params / 1e6:.2f}M parameters, {self.world} process(es) "
-                f"({self.mode}: {self.acc.distributed_type.value}, {self.acc.mixed_precision} mixed precision, "
-                f"sharded params: {type(next(self.inner.parameters())).__name__}), {self.batch_tokens} tokens/step ({self.accum} micro-batches per rank), "
-                f"from step {self.step}"
-            )
-            peak = peak_flops(self.acc.device)
-            window_start, window_steps = time.perf_counter(), 0
-            while self.step < t.max_steps:
-                record = self.train_step()
-                self.history.append(record)
-                window_steps += 1
-                stop = self._stop_requested()
-                last = self.step == t.max_steps
-                if self.step % cfg.log.every == 0 or last or stop:
-                    if self.acc.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_steps * self.batch_tokens / elapsed
-                    record["tokens_per_s"] = tps
-                    if self.flops_per_token and peak:
-                        record["mfu"] = self.flops_per_token * tps / (peak * self.world)
-                    mem = peak_memory_gib(self.acc.device)
-                    if mem is not None:
-                        record["peak_mem_gib"] = mem
-                    if cfg.log.val_every and self.val_batches and (self.step % cfg.log.val_every == 0 or last):
-                        record.update(self.validate())
-                    self.sink.log(record)
-                    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
-                    if "mfu" in record:
-                        postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-                    if "val_loss" in record:
-                        postfix["val"] = f"{record['val_loss']:.3f}"
-                    self.sink.progress(window_steps, postfix)
-                    window_start, window_steps = time.perf_counter(), 0
-                every = cfg.checkpoint.every
-                if stop:
-                    self.save()
-                    record["stopped_by"] = signal.Signals(self.stop_signal or signal.SIGTERM).name
-                    return record
-                if last or (every and self.step % every == 0):
-                    self.save()
-            if t.export_at_end:
-                from .export import export_model
+        self.sink.message(
+            f"run {self.run_dir}: {self.num_params / 1e6:.2f}M parameters, {self.world} process(es) "
+            f"({self.mode}: {self.acc.distributed_type.value}, {self.acc.mixed_precision} mixed precision, "
+            f"sharded params: {type(next(self.inner.parameters())).__name__}), {self.batch_tokens} tokens/step "
+            f"({self.accum} micro-batches per rank), from step {self.step}"
+        )
+        peak = peak_flops(self.acc.device)
+        start_step, start = self.step, time.perf_counter()
+        window_start, window_steps = time.perf_counter(), 0
+        stop = False
+        while self.step < t.max_steps and not stop:
+            record = self.train_step()
+            self.history.append(record)
+            window_steps += 1
+            stop = self._stop_requested()
+            self.saving = stop  # from here a second signal waits for the checkpoint
+            last = self.step == t.max_steps
+            if self.step % cfg.log.every == 0 or last or stop:
+                if self.acc.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tps = window_steps * self.batch_tokens / elapsed
+                record["tokens_per_s"] = tps
+                if self.flops_per_token and peak:
+                    record["mfu"] = self.flops_per_token * tps / (peak * self.world)
+                mem = peak_memory_gib(self.acc.device)
+                if mem is not None:
+                    record["peak_mem_gib"] = mem
+                if cfg.log.val_every and self.val_batches and (self.step % cfg.log.val_every == 0 or last):
+                    record.update(self.validate())
+                self.sink.log(record)
+                postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                if "mfu" in record:
+                    postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+                if "val_loss" in record:
+                    postfix["val"] = f"{record['val_loss']:.3f}"
+                self.sink.progress(window_steps, postfix)
+                window_start, window_steps = time.perf_counter(), 0
+            every = cfg.checkpoint.every
+            if stop or last or (every and self.step % every == 0):
+                self.save()
+                stop = stop or self._stop_requested()  # a signal during the save: it is saved already
+        if stop:
+            record["stopped_by"] = signal.Signals(self.stop_signal or signal.SIGTERM).name
+        elif t.export_at_end and (record or not (self.run_dir / "export").is_dir()):
+            from .export import export_model
 
-                out = self.run_dir / "export"
-                export_model(self.inner, self.tokenizer, out, self.acc)
-                self.sink.message(f"exported to {out}")
-            return record
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            self.encoder.close()
-            self.sink.close()
+            self.export_dir = self.run_dir / "export"
+            export_model(self.inner, self.tokenizer, self.export_dir, self.acc)
+            self.sink.message(f"exported to {self.export_dir}")
+        if self.acc.is_main_process:
+            self.sink.close()  # the summary comes after the progress bar
+            finish_report(self, record, seconds=time.perf_counter() - start, steps=self.step - start_step)
+        return record
 
 
 def build_model(cfg, tokenizer):

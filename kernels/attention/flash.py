@@ -46,11 +46,11 @@ FWD_CONFIGS_WIDE = [
     triton.Config({"BM": 64, "BN": 32}, num_warps=8, num_stages=2),
     triton.Config({"BM": 128, "BN": 32}, num_warps=8, num_stages=2),
 ]
-# H200, bf16, H = 16, D = 128, T = 2048, each config timed alone (docs/benchmarks.md): forward
-# (128, 64, 8 warps, 3 stages) 0.395 ms (session 7). The backward is one launch of dK/dV programs
-# (tiles BM1 x BN1) followed by dQ programs (BM2 x BN2), so a config pairs tiles that share warps
-# and stages (session 8): (32, 64 | 64, 32, 4 warps, 3 stages) 1.020 ms, (32, 128 | 128, 64, 8, 3)
-# 1.113; (64, 128 | 128, 64, 8, 3), the best pair of session 7, spills (1.245) and is dropped.
+# The candidates are the configs that came out ahead when each was timed alone at the layer
+# shapes (`python -m ttr.scripts.bench_attention --configs`; docs/benchmarks.md). The backward is
+# one launch of dK/dV programs (tiles BM1 x BN1) followed by dQ programs (BM2 x BN2), so a config
+# pairs tiles that share warps and stages; wider dK/dV tiles (64 x 128) spill registers and are
+# left out.
 BWD_CONFIGS = [
     triton.Config({"BM1": 32, "BN1": 64, "BM2": 64, "BN2": 32}, num_warps=4, num_stages=3),
     triton.Config({"BM1": 32, "BN1": 128, "BM2": 128, "BN2": 64}, num_warps=8, num_stages=3),
@@ -231,7 +231,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
     p_off = tl.arange(0, BM)[:, None] * stride_qt + o_d[None, :]
     # Loop-invariant code stays in the loop: with LICM, ptxas serialises this loop's wgmma
     # (C7515: accumulator registers defined by other instructions inside the pipeline stage), and
-    # the backward at T = 2048 takes 1.32 - 1.40 ms instead of 1.02 (docs/benchmarks.md, session 8).
+    # the four products of a step then run one after another instead of overlapping.
     for j in tl.range(j_lo, j_hi, disable_licm=True):
         o_m = j * BM + tl.arange(0, BM)
         m_t = o_m < L
@@ -394,8 +394,7 @@ def attn_bwd_kernel(q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T_total, ma
 
 # (kernel name, block head dim, dtype) -> the Config the autotuner chose; later calls launch the
 # jitted kernel with it directly. The autotuner's own per-call work (a key from every argument,
-# its cache lookup) took 37 us per launch in a cProfile of the H200 host, and at T = 2048 the
-# attention row includes host time (docs/benchmarks.md, session 8).
+# its cache lookup) is host time that short sequences cannot hide behind the GPU.
 _TUNED: dict = {}
 
 

@@ -42,6 +42,7 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   (Triton 3.9 removed block pointers).
 - ``index.tuned(stage, **defaults)`` / ``index.TUNING``: launch parameters per stage, overridable
   for sweeps (``ttr bench --stages --sweep``); never set in normal use.
-- ``torch_chunk.chunk_delta_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
-  cu_seqlens)``: the chunked torch implementation (CPU backend), autograd through torch ops.
+- ``torch_chunk.chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
+  cu_seqlens)``: the chunkwise form in torch, the CPU backend of every chunk op (g none, per head
+  or per key; beta for the delta rules), autograd through torch ops.
 """

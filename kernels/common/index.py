@@ -19,8 +19,8 @@ class ChunkPlan(NamedTuple):
 
 
 # Plans of unpacked batches, by (B, T, device, chunk size): building one takes ~10 small kernel
-# launches, which at training sizes is CPU time the GPU waits for (fwd+bwd calls are launch-bound
-# at ~0.1 ms per stage). The plan's tensors are read-only.
+# launches, which at training sizes is CPU time the GPU waits for (a stage's kernel is short enough
+# that a fwd+bwd call is bound by its launches). The plan's tensors are read-only.
 _PLANS: dict[tuple, ChunkPlan] = {}
 _MAX_PLANS = 64
 
@@ -70,7 +70,6 @@ def _build_plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device
 # the sequences average at least this many chunks the forward keeps ``h`` (``[NT, H, K, V]`` in the
 # input dtype: K/64 times the size of k) and what else the mixer's backward would recompute.
 # Shorter sequences (training batches of packed documents) recompute, which costs no memory.
-# H200 measurements: kernels/delta/chunk.py's docstring and docs/benchmarks.md.
 KEEP_STATES_MIN_CHUNKS = 96
 
 

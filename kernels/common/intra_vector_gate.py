@@ -27,7 +27,7 @@ valid row ``l``) and factors every product through a reference point of that sub
   ``exp(G_l - G)``). Otherwise the fallback takes it element-wise, one token at a time
   (``[BC, BK]`` products of ``exp(G_i - G_j)``, the exponent masked to ``j <= i`` *before* the
   exponential), as exact as fp32 allows for any decay. (One ``[16, 16, BK]`` element-wise product
-  instead of the loop measured 2.9x slower on the H200.)
+  instead of the loop is slower: it keeps a 3-D tile live and uses no tensor cores.)
 
 Why ``SAFE_SPAN = 60`` is safe. Every exponential in the diagonal products lies in ``[e^-60,
 e^60] ~ [8.8e-27, 1.1e26]``, well inside the normal range of fp32 and of tf32 (which the GPU's
@@ -70,11 +70,10 @@ SUB_CHUNK = 16
 # tensor-core product; beyond it the per-token loop. Factors stay in [e^-60, e^60]: normal fp32/tf32
 # with e^28 headroom below fp32's e^88 for |q k| and sums of BK terms (module docstring).
 SAFE_SPAN = 60.0
-# Launch parameters: each launcher's defaults come from the H200 sweep of
-# ``python -m ttr.scripts.bench_rows_gla_ssd --sweep`` (4 x 4096, H = 16, K = V = 128, bf16; the
-# numbers beside each launcher) and can be overridden through ``index.TUNING`` under the stage names
-# "vector_gate_scores", "vector_gate_output", "vector_gate_dv", "vector_gate_dA",
-# "vector_gate_intra_bwd", "vector_gate_bwd_dqkg".
+# Launch parameters: each launcher's defaults are the fastest of a sweep at the benchmark shape
+# (``ttr bench --stages --ops gla --sweep``: H = 16, K = V = 128, bf16) and can be overridden
+# through ``index.TUNING`` under the stage names "vector_gate_scores", "vector_gate_output",
+# "vector_gate_dv", "vector_gate_dA", "vector_gate_intra_bwd", "vector_gate_bwd_dqkg".
 NUM_WARPS = 8
 
 
@@ -346,8 +345,8 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     B, T, H, K = q.shape
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
-    # H200 sweep (4 x 4096 and 1 x 16384, H 16, K 128, bf16): the per-token loop took 0.64 ms at its
-    # best; the tensor-core diagonal 0.442 at BK 32 / 4 warps and 0.248 at BK 32 / 2 warps / 1 stage.
+    # Few warps and narrow K blocks: the products are small ([16, 32] tiles), so more warps only
+    # add synchronisation; one stage, since each program loads every K block once.
     cfg = tuned("vector_gate_scores", BK=min(_block_k(K), 32), num_warps=2, num_stages=1)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
         q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
@@ -360,7 +359,7 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty_like(v)
-    # H200 sweep: BV 128 with 4 warps, 0.229 -> 0.149 ms
+    # BV 128: one program covers a whole value head, so A and q are read once per chunk
     cfg = tuned("vector_gate_output", BK=_block_k(K), BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)
     vector_gate_output_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
@@ -372,7 +371,7 @@ def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
     """The intra-chunk gradient of v: ``A^T do`` (fp32)."""
     B, T, H, V = do.shape
     dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dv", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)  # 0.092 -> 0.073
+    cfg = tuned("vector_gate_dv", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)
     vector_gate_dv_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size, **cfg)
     return dv
@@ -398,8 +397,8 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    # H200 sweep: the per-token loop took 1.48 ms at its best (BK 64, 4 warps); the tensor-core
-    # diagonal 0.649 at BK 32 / 4 warps and 0.632 with 2 stages (8 warps or BK 64: 0.71 - 0.88).
+    # Narrow K blocks with 4 warps and 2 stages: wider blocks or 8 warps keep more [16, BK] fp32
+    # tiles live than the registers hold.
     cfg = tuned("vector_gate_intra_bwd", BK=min(_block_k(K), 32), num_warps=4, num_stages=2)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
@@ -418,7 +417,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k(K), BV=_block_v(V), num_warps=4)  # sweep: 0.598 -> 0.509
+    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k(K), BV=_block_v(V), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, triton.cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
         H=H, K=K, V=V, BT=plan.chunk_size, **cfg)

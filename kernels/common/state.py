@@ -17,7 +17,8 @@ Two implementations:
   V-block) and walks the chunks, a ``[K, 64] x [64, BV]`` product per step; splitting V fills the
   SMs when B*H is small (fla's state pass is the bottleneck at B = 1). The K axis is whole
   (``BK = next_pow2(K)``, two halves of 128 beyond 128). Per step every program re-reads the
-  chunk's k (and gate) tile, so at B*H = 16 the walk costs ~3 us per chunk on the H200.
+  chunk's k (and gate) tile, so the walk's time grows with the chunks of the longest sequence
+  and, at small B*H, is latency- rather than bandwidth-bound.
 - Two-level (without ``w``, for long sequences: GLA, simple GLA / SSD, no gate), as Mamba2's SSD does it
   (chunk_state + state_passing). Without ``w`` the recursion is element-wise in the state,
   ``h[c+1] = a_c ⊙ h[c] + ΔS_c`` with ``a_c = exp(g_last)`` (a scalar) or ``exp(gk_last)``
@@ -34,7 +35,7 @@ Two implementations:
   latency-bound once B*H * V / BV falls below the number of SMs.
 
 Choosing the path: without ``w``, the two-level pass runs when the sequences average at least
-``TWO_LEVEL_MIN_CHUNKS`` chunks (the measured crossover; shorter sequences fill the GPU with the
+``TWO_LEVEL_MIN_CHUNKS`` chunks (where it starts to win; shorter sequences fill the GPU with the
 sequential walk, which moves 2 - 3x fewer bytes); ``index.TUNING["state_fwd"] = {"two_level":
 False or True}`` (and ``"state_bwd"``) forces either (both paths agree to rounding). Launch
 parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
@@ -82,7 +83,7 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
                      SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
-    # _state_blocks for the one launch shape that is right on the H200).
+    # _state_blocks for the one launch shape that is right on Hopper).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -322,15 +323,15 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
 
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
-    one program per SM (the H200 sweep: B*H = 64 -> BV 64, B*H = 16 -> BV 16); the
+    one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
-    backward at K * BV >= 128 * 64 (8 measured faster there).
+    backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8.
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
     address, while this one matched float64 at K = V = 256, K = 192 / V = 160 and K = 136 / V = 64
-    in bf16 and fp32, forward and backward (the launch matrix in docs/benchmarks.md)."""
+    in bf16 and fp32, forward and backward (docs/benchmarks.md, "Known caveats")."""
     split = K > 128
     BK = 128 if split else max(16, triton.next_power_of_2(K))
     KP = 2 * BK if split else BK
@@ -356,11 +357,11 @@ def _checked(cfg: dict, elem: int) -> dict:
     return cfg
 
 
-# The two-level pass runs (without w) when the sequences average at least this many chunks. H200,
-# GLA, H = 16, K = V = 128, bf16 (docs/benchmarks.md, session 4): the sequential walk costs ~3.4
-# (forward) / ~5 (backward) us per chunk of the longest sequence, the two-level pass a fixed
-# ~0.27 / ~0.47 ms per 16K tokens: 0.22 vs 0.27 and 0.32 vs 0.47 ms at 4 x 4096 (64 chunks per
-# sequence), 0.76 vs 0.28 and 1.40 vs 0.47 ms at 1 x 16384 (256). The crossover is ~80-95 chunks.
+# The two-level pass runs (without w) when the sequences average at least this many chunks. The
+# sequential walk costs a fixed time per chunk of the longest sequence, the two-level pass a fixed
+# time per token (it is bandwidth-bound), so the walk wins on short sequences (many sequences fill
+# the GPU) and loses on long ones; timed on GLA at H = 16, K = V = 128, bf16, the two cross between
+# 80 and 95 chunks per sequence.
 TWO_LEVEL_MIN_CHUNKS = 96
 
 

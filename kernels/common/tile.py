@@ -1,5 +1,5 @@
-"""Pointer tiles with bounds masks (Triton 3.9 removed block pointers; 3.6 on the device has them,
-so the engine uses plain pointer arithmetic everywhere)."""
+"""Pointer tiles with bounds masks (Triton 3.9 removed block pointers while 3.6 still has them, so
+the engine uses plain pointer arithmetic, which both accept)."""
 
 import triton
 import triton.language as tl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ttr.kernels.common.torch_chunk import chunk_delta_torch
+from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.delta.reference import delta_reference_core
 from ttr.kernels.utils import (
     SUPPORTED_DTYPES,
@@ -64,7 +64,7 @@ def chunk_dispatch(q, k, v, g, beta, scale, initial_state, output_final_state, c
         from ttr.kernels.delta.chunk import chunk_delta_triton
 
         return chunk_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return chunk_delta_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def recurrent_dispatch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

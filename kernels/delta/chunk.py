@@ -6,12 +6,12 @@ dv -> reverse state pass (dh, dh0, full dv) -> dq, dk, dw, dg -> WY backward (dk
 whose last step maps dg from cumulative back to raw gates.
 
 Keep or recompute: the state pass is sequential over the chunks of a sequence, so for long
-sequences its recomputation dominates the backward (H200, H = 16, K = V = 128, bf16: 0.27 ms of
-state pass + 0.10 ms of WY recomputation in a 2.65 ms fwd+bwd at 1 x 16384, against 0.12 + 0.10 at
-4 x 4096). When the sequences average at least ``index.KEEP_STATES_MIN_CHUNKS`` chunks, the
-forward keeps w, h and v_new for the backward (``h`` is ``[NT, H, K, V]`` in the input dtype: K/64
-times the size of k, plus w and v_new the size of k and v); shorter sequences (training batches of
-packed documents) recompute them, which costs no memory.
+sequences recomputing it (and the WY stage that feeds it) becomes a large share of the backward,
+while for short sequences it is cheap. When the sequences average at least
+``index.KEEP_STATES_MIN_CHUNKS`` chunks, the forward keeps w, h and v_new for the backward (``h``
+is ``[NT, H, K, V]`` in the input dtype: K/64 times the size of k, plus w and v_new the size of k
+and v); shorter sequences (training batches of packed documents) recompute them, which costs no
+memory.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from ttr.kernels.common.intra_vector_gate import (
     vector_gate_scores,
 )
 from ttr.kernels.common.state import state_bwd, state_fwd
-from ttr.kernels.gla.reference import check_gla_inputs, chunked
+from ttr.kernels.common.torch_chunk import chunk_torch
+from ttr.kernels.gla.reference import check_gla_inputs
 from ttr.kernels.utils import kernel_backend
 
 
@@ -100,5 +101,5 @@ def chunk_gla(
     )
     # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
     if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
-        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)

@@ -1,4 +1,4 @@
-"""Gated linear attention in torch: validation, the per-token oracle and the chunked CPU backend.
+"""Gated linear attention in torch: validation and the per-token oracle.
 
 Recurrence per head (GLA, Yang et al. 2024, "Gated Linear Attention Transformers with
 Hardware-Efficient Training", arXiv:2312.06635), with a log gate ``g`` (fp32, <= 0):
@@ -7,18 +7,8 @@ Hardware-Efficient Training", arXiv:2312.06635), with a log gate ``g`` (fp32, <=
     o_t = scale * S_t^T q_t
 
 ``g`` is ``[B, T, H, K]`` (GLA, one decay per key dimension) or ``[B, T, H]`` (simple GLA /
-Mamba2's SSD, one decay per head; ``ttr.kernels.ssd``). Both share the code here.
-
-The chunked torch backend (chunk size 64) is exact: within a chunk, with ``G`` the chunk-local
-cumulative sum of ``g``,
-
-    o_i = scale * (q_i * exp(G_i)) S_0 + scale * sum_{j <= i} (sum_d q_id k_jd exp(G_id - G_jd)) v_j
-    S_C = exp(G_C) * S_0 + sum_j (k_j * exp(G_C - G_j)) v_j^T
-
-and every exponent above is <= 0 (``G`` is non-increasing and ``j <= i``), so nothing overflows
-however strong the decay. The intra-chunk scores are formed element-wise over ``[C, C, K]``
-(masked to ``j <= i`` before the exponential), which costs ``C`` times the memory of ``q``: fine
-for CPU training of small models, which is what this backend is for.
+Mamba2's SSD, one decay per head; ``ttr.kernels.ssd``). Both share the code here. The chunked
+CPU backend of both is the engine's torch form, ``ttr.kernels.common.torch_chunk``.
 """
 
 from __future__ import annotations
@@ -32,8 +22,6 @@ from ttr.kernels.utils import (
     check_initial_state,
     check_rank,
 )
-
-CHUNK = 64
 
 
 def check_gla_inputs(q, k, v, g, *, vector_gate: bool, scale, initial_state, cu_seqlens, gate_name="g"):
@@ -120,71 +108,6 @@ def _scatter(rows, shape, dtype, device):
 def _final(states, cdt):
     """Final states: float32 (the state convention), float64 when computing in float64."""
     return torch.stack(states).to(torch.float64 if cdt == torch.float64 else torch.float32)
-
-
-def chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    """The chunkwise form in torch (no validation); differentiable by autograd.
-
-    Computes in fp32 (float64 for float64 inputs) even under autocast, like the Triton path.
-    """
-    with torch.autocast(q.device.type, enabled=False):
-        return _chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
-
-
-def _chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    cdt = _compute_dtype(q)
-    b, t, h, dk = q.shape
-    if cu_seqlens is None:
-        o, final = _chunked_batch(q, k, v, g, scale, initial_state, cdt)
-        return o.to(v.dtype), (final if output_final_state else None)
-    outs, finals = [], []
-    for n, (_, s, e) in enumerate(_segments(b, t, cu_seqlens)):
-        h0 = None if initial_state is None else initial_state[n : n + 1]
-        o_n, f_n = _chunked_batch(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0, cdt)
-        outs.append(o_n)
-        finals.append(f_n[0])
-    o = torch.cat(outs, dim=1).to(v.dtype)
-    return o, (_final(finals, cdt) if output_final_state else None)
-
-
-def _chunked_batch(q, k, v, g, scale, initial_state, cdt):
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    state = q.new_zeros(b, h, dk, dv, dtype=cdt) if initial_state is None else initial_state.to(cdt)
-    if t == 0:
-        return v.new_zeros(b, 0, h, dv, dtype=cdt), _final(list(state), cdt)
-    nc = (t + CHUNK - 1) // CHUNK
-    pad = nc * CHUNK - t
-
-    def blocks(x):
-        # [B, T, H, D] -> [B, H, NC, C, D]; padded tokens have k = q = v = 0 and g = 0 (no decay).
-        x = x.to(cdt)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.reshape(b, nc, CHUNK, h, -1).permute(0, 3, 1, 2, 4)
-
-    vector = g.dim() == 4
-    qc, kc, vc = blocks(q), blocks(k), blocks(v)
-    gc = blocks(g if vector else g.unsqueeze(-1)).cumsum(dim=3)  # [B, H, NC, C, K or 1]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    if vector:
-        diff = gc[..., :, None, :] - gc[..., None, :, :]  # [B, H, NC, C, C, K]
-        diff = diff.masked_fill(~causal[:, :, None], float("-inf"))
-        scores = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", qc, diff.exp(), kc)
-    else:
-        diff = (gc[..., :, None, 0] - gc[..., None, :, 0]).masked_fill(~causal, float("-inf"))
-        scores = (qc @ kc.transpose(-1, -2)) * diff.exp()
-    o_intra = scores @ vc  # [B, H, NC, C, V]
-    q_dec = qc * gc.exp()
-    g_last = gc[:, :, :, -1:]  # [B, H, NC, 1, K or 1]
-    k_dec = kc * (g_last - gc).exp()
-    outs = []
-    for i_c in range(nc):
-        outs.append(q_dec[:, :, i_c] @ state)
-        state = g_last[:, :, i_c, 0, :, None].exp() * state + k_dec[:, :, i_c].transpose(-1, -2) @ vc[:, :, i_c]
-    o = (torch.stack(outs, dim=2) + o_intra) * scale  # [B, H, NC, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(b, nc * CHUNK, h, dv)[:, :t]
-    return o, state.to(torch.float64 if cdt == torch.float64 else torch.float32)
 
 
 def reference_gla(

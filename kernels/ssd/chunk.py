@@ -18,9 +18,9 @@ chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
 autograd node, ``ChunkSSDFunction``: the stages read B and C by group (head h uses group
 ``h // (H / G)``, no ``[B, T, H, N]`` copies), the chunk cumsum multiplies by ``A`` as it sums, and
 ``v = x dt`` is one row kernel (``scale_rows``); the backward's row kernel gives ``dx = dv dt`` and
-``ddt = sum_p dv x + A dg``, then ``dA = sum dg dt`` and the group sums of dB, dC. As torch ops
-around simple GLA the map cost 0.5 - 0.9 ms of a fwd+bwd at 16K tokens on the H200 (casts through
-fp32 temporaries, group copies and sums, one autograd node per op).
+``ddt = sum_p dv x + A dg``, then ``dA = sum dg dt`` and the group sums of dB, dC. The same map as
+torch ops around simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries,
+``[B, T, H, N]`` group copies and sums, and one autograd node per op.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import keep_states, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
-from ttr.kernels.gla.reference import check_gla_inputs, chunked
+from ttr.kernels.common.torch_chunk import chunk_torch
+from ttr.kernels.gla.reference import check_gla_inputs
 from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
 from ttr.kernels.utils import kernel_backend
 
@@ -166,7 +167,7 @@ class ChunkSSDFunction(torch.autograd.Function):
 def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
     # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
     if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
-        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 
 
@@ -229,5 +230,5 @@ def chunk_ssd(
     check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if kernel_backend(x) == "torch" or x.dtype == torch.float64 or x.shape[1] == 0:
         q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
-        return chunked(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+        return chunk_torch(q, k, v, g, None, 1.0, initial_state, output_final_state, cu_seqlens)
     return ChunkSSDFunction.apply(x, dt, A, B, C, initial_state, output_final_state, cu_seqlens)

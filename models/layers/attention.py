@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import ops
 from ..modules import ShortConv, apply_rotary, run_short_convs
+from .base import Mixer
 
 
 def attend_with_cache(q, k, v, key_valid, window: int | None, scale: float) -> torch.Tensor:
@@ -52,8 +53,29 @@ def attend_with_cache(q, k, v, key_valid, window: int | None, scale: float) -> t
     return torch.einsum("bhtl,blhd->bthd", probs, v.float()).to(q.dtype)
 
 
-class Attention(nn.Module):
+class Attention(Mixer):
+    is_attention = True
     window: int | None = None
+    #: keys are limited to the last ``config.window_size`` positions
+    windowed: bool = False
+
+    @classmethod
+    def _keys_per_query(cls, config, seq_len: int) -> float:
+        """Keys a query attends to, averaged over the positions t < seq_len: ``min(t + 1, W)``."""
+        w = config.window_size
+        if not cls.windowed or w >= seq_len:
+            return (seq_len + 1) / 2
+        return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
+    @classmethod
+    def state_size(cls, config, seq_len: int) -> int:
+        span = min(seq_len, config.window_size) if cls.windowed else seq_len
+        return 2 * span * config.attn_num_kv_heads * config.attn_head_dim
+
+    @classmethod
+    def flops_per_token(cls, config, seq_len: int) -> float:
+        """QK^T and PV over the keys a causal query sees: the only term quadratic in ``seq_len``."""
+        return 4.0 * config.attn_num_heads * config.attn_head_dim * cls._keys_per_query(config, seq_len)
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -122,6 +144,8 @@ class Attention(nn.Module):
 
 
 class SlidingWindowAttention(Attention):
+    windowed = True
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.window = config.window_size

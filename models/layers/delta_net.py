@@ -21,6 +21,8 @@ from .linear import LinearMixer
 
 
 class DeltaNet(LinearMixer):
+    delta_rule = True
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.b_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)

@@ -24,6 +24,8 @@ from .linear import LinearMixer
 
 
 class GatedDeltaNet(LinearMixer):
+    delta_rule = True
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         d, h = config.hidden_size, self.num_heads

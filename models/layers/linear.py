@@ -10,10 +10,32 @@ from __future__ import annotations
 
 from torch import nn
 
+from ttr.kernels.common.index import CHUNK_SIZE
+
 from ..modules import ShortConv, run_short_convs
+from .base import Mixer
 
 
-class LinearMixer(nn.Module):
+class LinearMixer(Mixer):
+    #: the delta rule's WY terms run on top of the gated linear attention ones
+    delta_rule: bool = False
+
+    @classmethod
+    def state_size(cls, config, seq_len: int) -> int:
+        return config.num_heads * config.head_dim * config.value_head_dim
+
+    @classmethod
+    def flops_per_token(cls, config, seq_len: int) -> float:
+        """Chunkwise form, per head with key dim K and value dim V and C the chunk size:
+        ``2C(K + V)`` intra-chunk (QK^T, AV) ``+ 4KV`` (output from the state, state update); the
+        delta rule adds ``KK^T`` (2CK), ``W = TK`` (2CK), ``U = TV`` (2CV) and ``U - WS`` (2KV), the
+        triangular inverse (about C^2/3) left out. No term grows with ``seq_len``."""
+        c, k, v = CHUNK_SIZE, config.head_dim, config.value_head_dim
+        per_head = 2.0 * c * (k + v) + 4.0 * k * v
+        if cls.delta_rule:
+            per_head += 4.0 * c * k + 2.0 * c * v + 2.0 * k * v
+        return config.num_heads * per_head
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config = config

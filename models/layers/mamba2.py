@@ -27,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ttr.kernels.common.index import CHUNK_SIZE
+
 from .. import ops
 from ..modules import ShortConv, init_time_step_bias, mask_tokens, run_short_convs
+from .base import Mixer
 
 
 def sign_parity(negative: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -67,7 +70,17 @@ def last_parity(parity: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
     return torch.where((lengths > 0)[:, None], parity[0, ends.clamp_min(0)], torch.ones_like(parity[0, :1]))
 
 
-class Mamba2(nn.Module):
+class Mamba2(Mixer):
+    @classmethod
+    def state_size(cls, config, seq_len: int) -> int:
+        return config.mamba_num_heads * config.mamba_state_size * config.mamba_head_dim
+
+    @classmethod
+    def flops_per_token(cls, config, seq_len: int) -> float:
+        """The SSD chunkwise form: GLA's count with K = state size N and V = head dim P."""
+        n, p = config.mamba_state_size, config.mamba_head_dim
+        return config.mamba_num_heads * (2.0 * CHUNK_SIZE * (n + p) + 4.0 * n * p)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config = config

@@ -13,6 +13,7 @@ from .tiny import make_checkpoint
 
 pytest.importorskip("lm_eval")
 
+from ttr.errors import TTRError  # noqa: E402
 from ttr.eval import evaluate  # noqa: E402
 from ttr.eval.lm_harness import TTRLM, write_results  # noqa: E402
 
@@ -191,7 +192,7 @@ def test_cli_lm_writes_json_and_markdown(setup, tmp_path, capsys):
         correct += int(max(range(len(direct)), key=direct.__getitem__) == doc["answer"])
     assert acc == correct / len(MC_DOCS)
     assert "ttr_test_mc" in (out / "results.md").read_text() and "acc" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(TTRError, match="--mixer: unknown"):
         main(["mqar", "--mixer", "lstm"])
 
 

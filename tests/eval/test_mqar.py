@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from ttr.errors import TTRError
 from ttr.eval.cli import main
 from ttr.eval.mqar import TEST_CONFIGS, TRAIN_CONFIGS, MixtureBatches, generate_mqar, parse_configs
 from ttr.eval.synthetic import state_size
@@ -114,3 +115,50 @@ def test_tiny_mqar_run_learns_above_chance(tmp_path):
     # 1/2 and 1/4; recall is needed to go well beyond
     assert result["accuracy"] > 0.5, result
     assert (out / "mqar.png").stat().st_size > 0 and "gated_deltanet" in (out / "mqar.md").read_text()
+
+
+def tiny_mqar(out) -> list[str]:
+    """A sweep of ``ttr eval mqar`` that trains each job for a moment on the clock alone."""
+    return ["mqar", "--mixer", "attn", "--d-model", "16", "--lrs", "1e-3", "--epochs", "0", "--max-minutes", "0.001",
+            "--batch-size", "4", "--vocab-size", "64", "--train-configs", "16:2:8", "--test-configs", "16:2:4",
+            "--device", "cpu", "--output", str(out)]  # fmt: skip
+
+
+def test_variants_add_models_and_the_report_checks_references(tmp_path):
+    """--variant MIXER:KEY=VALUE,... adds a model with those config fields (values in the one override
+    grammar: JSON null, TOML numbers); the report checks each mixer's best run against its reference."""
+    out = tmp_path / "mqar"
+    args = tiny_mqar(out) + ["--variant", "attn:rope_theta=10000.0", "--variant", "delta_net:head_dim=32,expand_v=0.25",
+                             "--set", "rope_theta=null"]  # fmt: skip
+    assert main(args) == 0
+    results = {r["label"]: r for r in json.loads((out / "mqar.json").read_text())}
+    assert set(results) == {"attn d=16 rope_theta=None", "attn d=16 rope_theta=10000.0",
+                            "delta_net d=16 expand_v=0.25 head_dim=32 rope_theta=None"}
+    assert results["delta_net d=16 expand_v=0.25 head_dim=32 rope_theta=None"]["state_size"] == 2 * 32 * 8
+    report = (out / "mqar.md").read_text()
+    assert "- MQAR attn d=16 rope_theta=None: pooled " in report and "(reference >= 1.0)" in report
+
+
+def test_a_failed_job_is_reported_and_the_others_kept(tmp_path, monkeypatch):
+    """A job that raises is reported (exit 1, FAILED line, error in the JSON); every finished job is
+    in jobs.jsonl."""
+    from ttr.eval import mqar
+
+    real = mqar.run_job
+    monkeypatch.setattr(mqar, "run_job", lambda job: real(job) if job["lr"] < 2e-3 else 1 / 0)
+    out = tmp_path / "mqar"
+    assert main(tiny_mqar(out) + ["--lrs", "1e-3,3e-3"]) == 1
+    results = json.loads((out / "mqar.json").read_text())
+    assert sorted("error" in r for r in results) == [False, True]
+    assert "- FAILED attn d=16 lr=0.003: ZeroDivisionError" in (out / "mqar.md").read_text()
+    assert len((out / "jobs.jsonl").read_text().splitlines()) == 2
+
+
+def test_mqar_rejects_bad_sweeps(tmp_path, capsys):
+    """A malformed variant is a usage error naming --variant; no steps and no clock is refused."""
+    for bad in ("lstm:head_dim=8", "delta_net", "delta_net:head_dim"):
+        with pytest.raises(SystemExit):
+            main(tiny_mqar(tmp_path) + ["--variant", bad])
+        assert "--variant" in capsys.readouterr().err
+    with pytest.raises(TTRError, match="epochs"):
+        main(["mqar", "--epochs", "0"])

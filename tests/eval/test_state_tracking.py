@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ttr.errors import TTRError
 from ttr.eval import state_tracking as st
 from ttr.eval.cli import main
 
@@ -221,5 +222,23 @@ def test_model_shape_per_task_and_family(capsys):
     assert shape(st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=3, intermediate_size=64)) == (3, 64)
     with pytest.raises(ValueError, match="num_layers"):
         st.make_job("parity", "delta_net beta(0,2)", 1e-3, num_layers=0)
-    with pytest.raises(SystemExit, match="num_layers"):
+    with pytest.raises(TTRError, match="num_layers"):
         main(["state", "--num-layers", "0"])
+
+
+def test_parity_sweep_checks_every_variant(tmp_path):
+    """The report of a parity sweep checks the negative-eigenvalue variants for 1.0 beyond training
+    and the others for chance, per weight decay, with the seeds that solve it; --steps 0 trains on
+    the clock alone."""
+    out = tmp_path / "state"
+    args = ["state", "--variants", "delta_net beta(0,1);delta_net beta(0,2)", "--d-model", "16", "--steps", "0",
+            "--max-minutes", "0.001", "--lrs", "3e-3", "--weight-decays", "0,0.1", "--batch-size", "4",
+            "--train-max", "6", "--eval-lengths", "6,8", "--eval-examples", "4", "--device", "cpu", "--output", str(out)]
+    assert main(args) == 0
+    report = (out / "state_tracking.md").read_text()
+    for wd in ("0", "0.1"):
+        assert f"- parity delta_net beta(0,2) wd={wd}: best run (lr 0.003, seed 0) min acc beyond training " in report
+        assert f"- parity delta_net beta(0,1) wd={wd}: best run max acc beyond training " in report
+    assert "of 1 seeds solve it" in report
+    with pytest.raises(TTRError, match="steps"):
+        main(["state", "--steps", "0"])

@@ -197,8 +197,8 @@ def test_bad_input(backend):
 def test_configs_fit_hopper_shared_memory(d):
     """Every autotune config compiles for sm_90 (no GPU needed) within the 227 KiB an H100/H200
     block may use, so head dim 256 runs rather than failing with OutOfResources; and, where Triton
-    ships ptxas, none has its wgmma serialised (ptxas note C7515), which made the dK/dV loop ~20 %
-    slower before it ran without loop-invariant code motion (docs/benchmarks.md, session 8)."""
+    ships ptxas, none has its wgmma serialised (ptxas note C7515), which runs the four products of
+    a dK/dV step one after another (the loop runs without loop-invariant code motion for this)."""
     import itertools
     import os
     import subprocess

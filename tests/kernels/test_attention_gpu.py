@@ -9,7 +9,7 @@ from ttr.kernels.attention import attention, reference_attention
 
 pytestmark = pytest.mark.gpu
 
-# relative RMS error bounds (DESIGN.md): bf16/fp16 1e-2, fp32 with tf32 dots 5e-3
+# relative RMS error bounds (docs/design.md, "Testing"): bf16/fp16 1e-2, fp32 with tf32 dots 5e-3
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 5e-3}
 
 

@@ -75,8 +75,9 @@ def check_against_oracle(op, x, cu, tol):
 
 # ---------------------------------------------------------------- CPU: Triton (interpreter) and torch backends
 
-# (T, B, beta_max, initial state, K, V): every T of the issue, both beta ranges, with and without
-# an initial state, and one case with head dims that are not powers of two.
+# (T, B, beta_max, initial state, K, V): T on both sides of the chunk boundaries (1, 15, 63, 64, 65,
+# 200), both beta ranges, with and without an initial state, and one case with head dims that are
+# not powers of two.
 SINGLE = [
     (1, 2, 2.0, True, 32, 32),
     (15, 2, 1.0, False, 32, 32),
@@ -249,10 +250,10 @@ def test_float64_on_triton_backend_raises(monkeypatch):
         call(OPS["delta"][0], "delta", x, None)
 
 
-# ---------------------------------------------------------------- GPU (the lent H200)
+# ---------------------------------------------------------------- GPU
 
 # fp32 runs its products as tf32 on the GPU; measured on the H200: outputs ~4e-3, dk and dbeta
-# ~6.4e-3 (the WY backward chains several tf32 products), hence 7.5e-3 rather than DESIGN's 5e-3.
+# ~6.4e-3 (the WY backward chains several tf32 products), hence 7.5e-3 rather than the usual 5e-3.
 GPU_TOL = {torch.float32: 7.5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 

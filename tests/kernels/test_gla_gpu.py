@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla import chunk_gla, recurrent_gla
-from ttr.kernels.gla.reference import chunked
 from ttr.kernels.ssd import chunk_simple_gla, recurrent_simple_gla
 
 from .conftest import rel_rms
@@ -85,7 +85,7 @@ def check_vs_float64(op, shape, dtype, gate=None):
     scale = dk**-0.5
 
     def oracle(q, k, v, g, *, initial_state, output_final_state, cu_seqlens):
-        return chunked(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
 
     ref = forward_backward(oracle, *(x.double() for x in (q, k, v, g, h0)), cu, do, dht)
     poison()

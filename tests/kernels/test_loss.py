@@ -188,7 +188,8 @@ def _peak_bytes(fn, *args):
 
 @pytest.mark.gpu
 def test_loss_gpu_peak_memory_quarter_of_unfused(monkeypatch):
-    """The issue's target at its size: 32768 tokens, hidden 2048, vocab 32000, bf16."""
+    """At the 1.3B presets' size (32768 tokens, hidden 2048, vocab 32000, bf16) the fused loss peaks
+    at a quarter of the unfused path's memory or less: the point of fusing it."""
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     (h, w, _), labels = make(32768, 2048, 32000, bias=False, ignore_every=0, dtype=torch.bfloat16)
     h.requires_grad_()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ttr.kernels.gla.reference import chunked
+from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.ssd import chunk_ssd, recurrent_ssd
 from ttr.kernels.ssd.reference import ssd_as_simple_gla
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 def oracle(x, dt, A, B, C, *, initial_state, output_final_state, cu_seqlens):
     q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
-    return chunked(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    return chunk_torch(q, k, v, g, None, 1.0, initial_state, output_final_state, cu_seqlens)
 
 
 def inputs(b, t, h, groups, n_state, p, dtype, n):

@@ -41,6 +41,17 @@ def test_type_and_choice_errors():
         parse_override("train.max_steps=3")
 
 
+def test_resume_flag_forms():
+    from ttr.train.cli import parse_args
+
+    args, overrides = parse_args(["--resume", "cfg.toml", "--train.max_steps=3"])
+    assert (args.resume, args.config, overrides) == ("latest", "cfg.toml", ["--train.max_steps=3"])
+    assert parse_args(["cfg.toml", "--resume=auto"])[0].resume == "auto"
+    assert parse_args(["--resume", "auto", "cfg.toml"])[0].resume == "auto"
+    args = parse_args(["--resume-from=step_00000010"])[0]
+    assert args.resume_from == "step_00000010" and args.resume is None
+
+
 def test_cli_split_and_default_config():
     rest, over = split_overrides(["cfg.toml", "--resume", "--train.max_steps=3", "--run_dir=a", "--nproc", "2"])
     assert rest == ["cfg.toml", "--resume", "--nproc", "2"] and over == ["--train.max_steps=3", "--run_dir=a"]

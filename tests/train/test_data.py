@@ -1,4 +1,6 @@
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -156,3 +158,19 @@ def test_hf_streaming(tmp_path):
     want = [next(s)["input_ids"] for _ in range(4)]
     _, resumed = stream(state)
     assert all(torch.equal(next(resumed)["input_ids"], w) for w in want)
+
+
+def test_tokenizer_workers_ignore_signals_the_main_process_handles():
+    """Ctrl-C reaches the whole process group: the workers must not print a traceback or die
+    (a dead worker would leave its chunk unanswered)."""
+    enc = Encoder(None, CharTok(), num_workers=1)
+    try:
+        assert [len(t) for t in enc.map(iter(["ab", "cde"]))] == [4, 5]
+        (worker,) = enc.pool._processes.values()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            os.kill(worker.pid, s)
+        assert [len(t) for t in enc.map(iter(["x" * 10]))] == [12]
+        assert worker.is_alive()
+    finally:
+        enc.close()
+    assert not worker.is_alive()

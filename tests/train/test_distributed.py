@@ -1,5 +1,5 @@
 """Several processes on CPU (gloo, DDP): resume across ranks; launch commands. FSDP2 needs GPUs
-(accelerate does not shard on CPU): it is exercised by the device runs."""
+(accelerate does not shard on CPU): tests/train/test_gpu.py covers it with -m gpu."""
 
 import json
 import os
@@ -33,17 +33,22 @@ def test_two_processes_ddp_resume(corpus_dir, cache_dir, tmp_path):
     config = tmp_path / "empty.toml"
     config.write_text("")
 
-    def run(run_dir, steps, mode, *extra):
+    def run(run_dir, steps, mode, *extra, status=0):
         table = tiny_config(corpus_dir, cache_dir, run_dir, optim={"schedule": "constant"},
                             train={"max_steps": steps, "distributed": mode, "cpu_threads": 1})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "ttr", "train", "--nproc", "2", str(config), *_overrides(table), *extra]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == status, done.stderr[-3000:]
+        if status:
+            return done.stderr
         return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     ddp = run(tmp_path / "ddp", 8, "ddp")
     assert len(ddp) == 8
+    # an error both ranks meet is one line, from rank 0, with the job's exit status that of the ranks
+    err = run(tmp_path / "ddp", 8, "ddp", status=2)
+    assert err.count("ttr train: error: ") == 1 and "already exists" in err and "Traceback" not in err
     run(tmp_path / "resumed", 4, "ddp")
     resumed = run(tmp_path / "resumed", 8, "ddp", "--resume")
     # The first step after the resume is bit-identical; later ones have been seen to differ in

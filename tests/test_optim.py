@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ttr.train.optim import lr_multiplier, param_groups
+from ttr.optim import lr_multiplier, param_groups
 
 
 class Mixer(torch.nn.Module):

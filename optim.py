@@ -1,4 +1,8 @@
-"""AdamW parameter groups and learning-rate schedules.
+"""AdamW parameter groups and learning-rate schedules: the one optimiser set-up of ttr.
+
+``ttr train`` and the synthetic benchmarks of ``ttr eval`` (MQAR, state tracking) both build their
+optimiser here. It sits at the top of the package, importing only torch, because ``train`` and
+``eval`` may not import each other.
 
 Weight decay applies to matrices only: not to norms' weights, biases, embeddings' neighbours of
 the same rank (any parameter with fewer than 2 dims), and not to the decay/time-step parameters
@@ -29,17 +33,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg, *, fused: bool | None = None) -> torch.optim.AdamW:
-    groups = param_groups(model, optim_cfg.weight_decay)
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                    fused: bool | None = None) -> torch.optim.AdamW:
+    groups = param_groups(model, weight_decay)
     if not groups:
         raise ValueError("model has no trainable parameters")
-    return torch.optim.AdamW(
-        groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, fused=fused
-    )
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
 
 
-def lr_multiplier(step: int, *, max_steps: int, schedule: str, warmup_steps: int, min_lr_ratio: float,
-                  decay_fraction: float) -> float:
+def lr_multiplier(step: int, *, max_steps: int, schedule: str = "cosine", warmup_steps: int = 0,
+                  min_lr_ratio: float = 0.0, decay_fraction: float = 0.2) -> float:
     """Multiplier of the peak lr for optimizer step ``step`` (0-based).
 
     Linear warmup from 1/(warmup+1) to 1 over ``warmup_steps``, then

@@ -1,0 +1,49 @@
+"""Every mixer class states its traits, which the config, the FLOP count and the synthetic
+benchmarks read through LAYER_TYPES instead of lists of names."""
+
+import pytest
+import torch
+
+from ttr.kernels.common.index import CHUNK_SIZE
+from ttr.models import TTRConfig
+from ttr.models.configuration import ATTENTION_TYPES, LINEAR_TYPES
+from ttr.models.layers import LAYER_TYPES, Mixer
+
+
+@pytest.mark.parametrize("name", list(LAYER_TYPES))
+def test_every_mixer_states_its_traits(name):
+    cls = LAYER_TYPES[name]
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=[name], num_heads=2, window_size=8)
+    assert issubclass(cls, Mixer)
+    assert cls.state_size(cfg, 32) > 0 and cls.flops_per_token(cfg, 32) > 0
+    layer = cls(cfg, 0)
+    assert layer(torch.randn(1, 5, 64), position_ids=torch.arange(5)[None]).shape == (1, 5, 64)
+
+
+def test_config_groups_come_from_the_classes():
+    assert set(ATTENTION_TYPES) == {"attn", "swa"}
+    assert set(LINEAR_TYPES) == {"gla", "delta_net", "gated_deltanet"}
+
+
+def test_window_bounds_attention_state_and_flops():
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=["swa"], num_heads=2, window_size=8)
+    swa, attn = LAYER_TYPES["swa"], LAYER_TYPES["attn"]
+    assert swa.state_size(cfg, 1000) == swa.state_size(cfg, 8) < attn.state_size(cfg, 1000)
+    assert swa.flops_per_token(cfg, 4) == attn.flops_per_token(cfg, 4)  # the window covers the sequence
+    assert swa.flops_per_token(cfg, 1000) < attn.flops_per_token(cfg, 1000)
+
+
+def test_delta_rules_add_the_wy_terms():
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, num_heads=2)
+    c, k, v, h = CHUNK_SIZE, cfg.head_dim, cfg.value_head_dim, cfg.num_heads
+    assert LAYER_TYPES["gla"].flops_per_token(cfg, 64) == h * (2 * c * (k + v) + 4 * k * v)
+    assert LAYER_TYPES["gated_deltanet"].flops_per_token(cfg, 64) == h * (6 * c * k + 4 * c * v + 6 * k * v)
+
+
+def test_a_mixer_without_its_traits_cannot_be_built():
+    class Incomplete(Mixer):
+        def forward(self, x, **_):
+            return x
+
+    with pytest.raises(TypeError, match="state_size"):
+        Incomplete()
