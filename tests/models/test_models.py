@@ -168,8 +168,9 @@ def test_loss_fused_unfused_and_num_items():
     ids = torch.randint(0, VOCAB, (2, 12))
     labels = ids.clone()
     labels[0, :3] = -100
-    fused = model(ids, labels=labels).loss
-    assert model(ids, labels=labels).logits is None
+    out = model(ids, labels=labels, return_logits=False)
+    fused = out.loss
+    assert out.logits is None
     model.config.fuse_cross_entropy = False
     out = model(ids, labels=labels)
     torch.testing.assert_close(fused, out.loss, rtol=1e-5, atol=1e-6)
@@ -186,7 +187,7 @@ def test_loss_fused_unfused_and_num_items():
 def test_fused_loss_runs_through_the_head_module():
     """The fused loss is computed in ``lm_head``'s forward (FSDP2 gathers the head's weight and
     reduces its gradient only around that forward); its grad reaches the head's weight."""
-    model = make_model("gated_deltanet")
+    model = make_model("gated_deltanet").train()
     calls = []
     model.lm_head.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs.get("targets")),
                                         with_kwargs=True)
