@@ -136,9 +136,7 @@ def _mamba2_config(src: dict, sd: dict) -> dict:
 
 
 def _fla_common(src: dict, sd: dict, source: str, mixer: str) -> dict:
-    for key in ("attnres_block_size",):
-        if src.get(key) is not None:
-            raise ConversionError(f"{source} option {key}={src[key]!r} is not supported (supported: [None])")
+    _option(src, "attnres_block_size", (None,), None, source)
     _option(src, "hidden_act", ("swish", "silu"), "swish", source)
     n = src["num_hidden_layers"]
     layer_types = [mixer] * n
@@ -171,7 +169,7 @@ def _fla_common(src: dict, sd: dict, source: str, mixer: str) -> dict:
     return out
 
 
-def _delta_heads(src: dict, source: str, default_k: float) -> dict:
+def _delta_heads(src: dict, default_k: float) -> dict:
     hidden, heads = src["hidden_size"], src["num_heads"]
     key_dim = round(hidden * src.get("expand_k", default_k))
     value_dim = round(hidden * src.get("expand_v", 1.0))
@@ -201,7 +199,7 @@ def _delta_net_config(src: dict, sd: dict) -> dict:
     _option(src, "qk_activation", ("silu",), "silu", s)
     _option(src, "qk_norm", ("l2",), "l2", s)
     return dict(
-        _fla_common(src, sd, s, "delta_net"), **_delta_heads(src, s, 1.0),
+        _fla_common(src, sd, s, "delta_net"), **_delta_heads(src, 1.0),
         conv_size=src.get("conv_size", 4), allow_neg_eigval=bool(src.get("allow_neg_eigval", False)),
     )
 
@@ -215,7 +213,7 @@ def _gla_config(src: dict, sd: dict) -> dict:
     if src.get("num_kv_heads") not in (None, heads):
         raise ConversionError(f"{s} option num_kv_heads={src['num_kv_heads']} is not supported (supported: [None, {heads}])")
     return dict(
-        _fla_common(src, sd, s, "gla"), **_delta_heads(src, s, 0.5),
+        _fla_common(src, sd, s, "gla"), **_delta_heads(src, 0.5),
         use_short_conv=bool(src.get("use_short_conv", False)), conv_size=src.get("conv_size", 4),
         gla_gate_low_rank_dim=sd["model.layers.0.attn.gk_proj.0.weight"].shape[0]
         if "model.layers.0.attn.gk_proj.0.weight" in sd else 16,
