@@ -181,8 +181,8 @@ def build(impl: str, config, seed: int):
 def grad_check(config, batch: torch.Tensor, oracle: bool = False) -> dict:
     """Loss and gradients of the reference and of ttr on the reference's initial weights, under
     the training run's bf16 autocast (so the kernels checked are the ones that train). With
-    ``oracle``, both are also measured against ttr's chunked torch backend in fp32 without tf32
-    (exact products), which says which side a disagreement comes from."""
+    ``oracle``, both are also measured against the fp32 gradients (no autocast, no tf32) of both
+    models, which says which side a disagreement comes from."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -212,19 +212,26 @@ def grad_check(config, batch: torch.Tensor, oracle: bool = False) -> dict:
     result = {"loss_reference": losses[0], "loss_ttr": losses[1], "grad_rel_err_all": (diff / total).item(),
               "grad_rel_err_max": errors[worst], "grad_worst": worst}
     if oracle:
-        mine.zero_grad(set_to_none=True)
-        old_backend, old_tf32 = os.environ.get("TTR_KERNEL_BACKEND"), torch.backends.cuda.matmul.allow_tf32
-        os.environ["TTR_KERNEL_BACKEND"], torch.backends.cuda.matmul.allow_tf32 = "torch", False
+        # fp32 without autocast and without tf32 on both sides: ttr's Triton kernels and fla's each
+        # in exact fp32 products (TRITON_F32_DEFAULT=ieee must be set before the process compiles
+        # any kernel, which device_parity.sh does for the oracle run). Their agreement says how
+        # exact the oracle is; each bf16 run's distance from it says which side loses precision.
+        exact = []
+        old_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
         try:
-            mine(input_ids=x, labels=x, use_cache=False).loss.backward()
+            for model in (ref, mine):
+                model.zero_grad(set_to_none=True)
+                model(input_ids=x, labels=x, use_cache=False).loss.backward()
+                exact.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old_tf32
-            if old_backend is None:
-                os.environ.pop("TTR_KERNEL_BACKEND")
-            else:
-                os.environ["TTR_KERNEL_BACKEND"] = old_backend
-        exact = {n: p.grad.float() for n, p in mine.named_parameters() if p.grad is not None}
+        exact_ref = convert_state_dict(ref.config.model_type, exact[0])
+        exact = exact[1]
         norm = torch.sqrt(sum(exact[n].square().sum() for n in names))
+        result["oracle_fp32_agreement"] = (
+            torch.sqrt(sum((exact_ref[n] - exact[n]).square().sum() for n in names)) / norm).item()
+        result["oracle_f32_default"] = os.environ.get("TRITON_F32_DEFAULT", "tf32")
         for side, g in (("reference", ref_grads), ("ttr", grads[1])):
             err = torch.sqrt(sum((g[n] - exact[n]).square().sum() for n in names)) / norm
             per = {n: ((g[n] - exact[n]).norm() / exact[n].norm().clamp_min(1e-30)).item() for n in names}

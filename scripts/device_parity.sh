@@ -12,7 +12,8 @@ ln -sfn "$PWD" /tmp/ttr_pkg/ttr
 if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/ttr_pkg:/tmp/site
+# .whl/ref: reference packages carried as source (the Triton kernels of mamba_ssm, for HF Mamba2)
+export PYTHONPATH=/tmp/ttr_pkg:/tmp/site:$PWD/.whl/ref
 bench() { python3 -W ignore -m ttr.scripts.bench_parity --out "$OUT/parity" --data-cache /tmp/parity.npz "$@"; }
 bench --prepare-only "$@" 2>&1 | tail -3
 for run in $RUNS; do
@@ -20,7 +21,7 @@ for run in $RUNS; do
   (bench --families "$f" --impls "$i" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[$run] /" >>"$OUT/train.log") &
 done
 if [ -n "${ORACLE:-}" ]; then
-  (bench --grad-oracle --families "$ORACLE" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[oracle] /" >>"$OUT/train.log") &
+  (TRITON_F32_DEFAULT=ieee bench --grad-oracle --families "$ORACLE" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[oracle] /" >>"$OUT/train.log") &
 fi
 wait
 grep -E "step 1000|gradient check|oracle|Error" "$OUT/train.log" | tail -40

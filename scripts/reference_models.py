@@ -116,10 +116,33 @@ def build_reference(config):
     family = family_of(config)
     if family == "gated_deltanet_h1":
         install_flash_attn_shim()
+    if family == "mamba2":
+        use_mamba_ssm_scan()
     ref_config = reference_config(config)
     if family == "transformer":
         ref_config._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(ref_config)
+
+
+def use_mamba_ssm_scan() -> bool:
+    """Let HF Mamba2 train through the authors' Triton SSD kernel when only that part of mamba_ssm
+    is importable. HF's training forward first tries mamba_ssm's fused conv + scan, which calls the
+    causal_conv1d CUDA extension; without that package the fused entry is turned off, so HF takes
+    its split path: a torch depthwise conv, then ``mamba_chunk_scan_combined``. Without mamba_ssm
+    HF's pure torch path runs (its memory grows with the batch: it does not fit at 8 x 2048 on one
+    GPU at 340M). Returns whether mamba_ssm's scan is used."""
+    try:
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        import causal_conv1d  # noqa: F401
+        return True
+    except ImportError:
+        from transformers.models.mamba2 import modeling_mamba2
+
+        modeling_mamba2.mamba2_split_conv1d_scan_combined = lambda *args, **kwargs: None
+        return True
 
 
 def check_same_shape(config, reference) -> None:
