@@ -164,13 +164,50 @@ def lift_fla_guard() -> bool:
     return lifted
 
 
+def swap_in_reference_kernels(config) -> None:
+    """Route ttr's chunkwise mixer ops to the reference's kernels (fla's, and mamba_ssm's SSD for
+    Mamba2), leaving the rest of ttr's model as it is. A diagnostic: when a family trains behind its
+    reference, this run says whether the kernels are the cause (it then follows the reference's
+    curve) or the layers around them (it stays with ttr's)."""
+    from ttr.models import ops
+
+    from ttr.scripts.reference_models import family_of
+
+    family = family_of(config)
+    if family in ("gated_deltanet", "gated_deltanet_h1"):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        ops.chunk_gated_delta_rule = chunk_gated_delta_rule
+    elif family == "delta_net":
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        ops.chunk_delta_rule = chunk_delta_rule
+    elif family == "gla":
+        from fla.ops.gla import chunk_gla
+
+        ops.chunk_gla = chunk_gla
+    elif family == "mamba2":
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+        def chunk_ssd(x, dt, A, B, C, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+            if initial_state is not None or output_final_state or cu_seqlens is not None:
+                raise ValueError("the swapped SSD trains plain batches only")
+            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64), None
+
+        ops.chunk_ssd = chunk_ssd
+    else:
+        raise ValueError(f"no reference kernel to swap in for {family}")
+
+
 def build(impl: str, config, seed: int):
     from transformers import AutoModelForCausalLM
 
     from ttr.scripts.reference_models import build_reference, check_same_shape
 
     torch.manual_seed(seed)
-    if impl == "ttr":
+    if impl in ("ttr", "swap"):
+        if impl == "swap":
+            swap_in_reference_kernels(config)
         model = AutoModelForCausalLM.from_config(config)
     else:
         model = build_reference(config)
@@ -409,7 +446,9 @@ def report(paths: list[str], plot: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--impls", default="ttr,reference", help="which models to train (ttr, reference)")
+    parser.add_argument("--impls", default="ttr,reference",
+                        help="which models to train: ttr, reference, and swap (diagnostic: ttr's model with the "
+                             "reference's chunkwise kernel in place of ttr's)")
     parser.add_argument("--size", default="340m")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=8)
@@ -439,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--families: unknown {unknown}; expected some of {FAMILIES}")
     impls = [i for i in args.impls.split(",") if i]
-    if not set(impls) <= {"ttr", "reference"}:
-        parser.error(f"--impls takes ttr and/or reference, got {args.impls!r}")
+    if not set(impls) <= {"ttr", "reference", "swap"}:
+        parser.error(f"--impls takes some of ttr, reference, swap; got {args.impls!r}")
     if not torch.cuda.is_available() and not args.prepare_only:
         parser.error("needs a CUDA GPU")
     for name in ("steps", "batch", "seq_len", "val_every", "val_batches", "warmup"):

@@ -18,10 +18,10 @@ bench() { python3 -W ignore -m ttr.scripts.bench_parity --out "$OUT/parity" --da
 bench --prepare-only "$@" 2>&1 | tail -3
 for run in $RUNS; do
   f=${run%.*} i=${run#*.}
-  (bench --families "$f" --impls "$i" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[$run] /" >>"$OUT/train.log") &
+  (bench --families "$f" --impls "$i" "$@" 2>&1 | grep --line-buffered -v Writing | sed -u "s/^/[$run] /" >>"$OUT/train.log") &
 done
 if [ -n "${ORACLE:-}" ]; then
-  (TRITON_F32_DEFAULT=ieee bench --grad-oracle --families "$ORACLE" "$@" 2>&1 | grep --line-buffered -v Writing | sed "s/^/[oracle] /" >>"$OUT/train.log") &
+  (TRITON_F32_DEFAULT=ieee bench --grad-oracle --families "$ORACLE" "$@" 2>&1 | grep --line-buffered -v Writing | sed -u "s/^/[oracle] /" >>"$OUT/train.log") &
 fi
 wait
 grep -E "step 1000|gradient check|oracle|Error" "$OUT/train.log" | tail -40
