@@ -3,6 +3,7 @@ runs of their code paths on debug presets (no measurement). The GPU cases at the
 shapes where a GPU is present."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from ttr.models.layers import LAYER_TYPES
 from ttr.models.presets import get_preset, list_presets
-from ttr.scripts import bench_kernels
+from ttr.scripts import bench_kernels, bench_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
@@ -18,7 +19,7 @@ PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
 
 def test_every_mixer_has_a_kernel_shape_and_every_1_3b_preset_yields_shapes():
     assert set(bench_kernels.LAYER_OPS) == set(LAYER_TYPES)
-    assert bench_kernels.default_presets() == PRESETS_1_3B
+    assert bench_kernels.default_presets() == PRESETS_1_3B == bench_model.default_presets()
     for preset in PRESETS_1_3B:
         shapes = bench_kernels.preset_shapes([preset])
         config = get_preset(preset)
@@ -79,7 +80,7 @@ def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
     assert len(out) == 6
 
 
-# bf16 inputs of the torch backend on a CPU: the code paths run, the values are not checked here
+# bf16 inputs on the torch backend (which computes in fp32): the comparisons hold on a CPU too
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_bench_kernels_smoke_on_cpu(monkeypatch, tmp_path):
     """The table and JSON of a CPU run: ttr and SDPA cells filled, attention equal to SDPA (the CPU
@@ -143,6 +144,89 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
             fn()
 
 
+def test_bench_model_arguments_and_references(capsys):
+    for argv, message in ((["--presets", "gla-7b"], "--presets: unknown"), (["--steps", "0"], "--steps"),
+                          (["--loop", "scan"], "--loop")):
+        with pytest.raises(SystemExit):
+            bench_model.parse_args(argv + ["--device", "cpu"])
+        assert message in capsys.readouterr().err, argv
+    args = bench_model.parse_args(["--device", "cpu", "--no-references", "--isolate", "--lift-fla-guard"])
+    assert args.preset_list == PRESETS_1_3B and not args.references and args.isolate
+    assert (args.batch, args.seq_len) == (8, 4096)
+    plain = {p: bench_model.has_reference(p) for p in PRESETS_1_3B}
+    assert plain == {p: not p.startswith("gated_deltanet_h2") for p in PRESETS_1_3B}
+    trainer = [p for p in PRESETS_1_3B if bench_model.has_reference(p, "trainer")]
+    assert trainer == ["gated_deltanet-1.3b", "delta_net-1.3b", "gla-1.3b", "gated_deltanet_h1-1.3b"]
+    # a child of --isolate gets the same settings back
+    child = bench_model.parse_args(bench_model._child_argv(args, "gla-1.3b", "ttr", "r.json"))
+    for key in ("batch", "seq_len", "steps", "warmup", "loop", "device", "lift_fla_guard", "tokenizer"):
+        assert getattr(child, key) == getattr(args, key), key
+    assert (child.one, child.result) == ("gla-1.3b:ttr", "r.json")
+
+
+def test_bench_model_smoke_on_cpu(tmp_path):
+    """Every row of a CPU run (no measurement): ttr and HF Llama side by side with their ratio,
+    h2 without a reference, parameters equal to the reference's, MFU left empty without a GPU."""
+    out = tmp_path / "m.json"
+    assert bench_model.main(["--device", "cpu", "--presets", "transformer-debug,gated_deltanet_h2-debug",
+                             "--batch", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
+                             "--json", str(out), "--out", str(tmp_path / "m.md")]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["preset"], r["impl"]): r for r in data["rows"]}
+    assert list(rows) == [("transformer-debug", "ttr"), ("transformer-debug", "reference"),
+                          ("gated_deltanet_h2-debug", "ttr")]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows.values())
+    mine, ref = rows["transformer-debug", "ttr"], rows["transformer-debug", "reference"]
+    assert (mine["model"], ref["model"]) == ("ttr TTRForCausalLM", "HF LlamaForCausalLM")
+    assert mine["params"] == ref["params"] and mine["flops_per_token"] == ref["flops_per_token"]
+    assert data["settings"]["batch"] == 1
+    table = (tmp_path / "m.md").read_text()
+    ratio = mine["tokens_per_s"] / ref["tokens_per_s"]
+    assert f"| HF LlamaForCausalLM | {ref['tokens_per_s']:,.0f} |  |  | {ratio:.2f} |" in table
+    assert "| gated_deltanet_h2-debug |" in table and "| none |" in table
+
+
+def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
+    """Out of memory and a failed subprocess become rows; models past the time budget are skipped."""
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(bench_model, "plain_loop", oom)
+    args = bench_model.parse_args(["--device", "cpu", "--batch", "1", "--seq-len", "8"])
+    row = bench_model.measure("mamba2-debug", "ttr", args)
+    assert row["status"] == "oom" and "64.00 GiB" in row["error"]
+    assert "| out of memory |" in bench_model.format_table([row], [])
+
+    def crashed(*a, **k):
+        return subprocess.CompletedProcess(a, -6, "", "Fatal Python error: Aborted\n")
+
+    monkeypatch.setattr(bench_model.subprocess, "run", crashed)
+    row = bench_model.measure_isolated("gla-debug", "reference", args, timeout=5)
+    assert row == {"preset": "gla-debug", "impl": "reference", "status": "error",
+                   "error": "exit -6: Fatal Python error: Aborted"}
+    out = tmp_path / "m.json"
+    assert bench_model.main(["--device", "cpu", "--presets", "gla-debug", "--time-budget", "0",
+                             "--json", str(out)]) == 0
+    assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["skipped", "skipped"]
+
+
+def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
+    """scripts/device_bench.sh: the commands of each part (DRY_RUN=1), their shares of the budget,
+    and an unknown part refused."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY_RUN": "1"}
+    run = lambda **kw: subprocess.run(["bash", "scripts/device_bench.sh"], cwd=ROOT, capture_output=True,  # noqa: E731
+                                      text=True, env={**env, **kw})
+    out = run().stdout.splitlines()
+    assert out[0].startswith("== kernels (180 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
+                             "2048,4096,8192,16384 --lift-fla-guard --time-budget 150 ")
+    assert out[1].startswith("== model (510 s): ttr.scripts.bench_model --references --lift-fla-guard --batch 8 "
+                             "--seq-len 4096 --steps 4 --warmup 1 --time-budget 450 ")
+    out = run(PARTS="model", PRESETS="gla-1.3b", REFERENCES="0", ISOLATE="1", BUDGET_S="300").stdout
+    assert "bench_model --presets gla-1.3b --no-references --isolate --batch 8" in out
+    bad = run(PARTS="kernels,bogus")
+    assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
+
+
 @pytest.mark.gpu
 def test_bench_kernels_preset_rows_on_gpu(tmp_path):
     """One preset row per op family on the GPU: ttr and the reference timed, their outputs and
@@ -156,3 +240,18 @@ def test_bench_kernels_preset_rows_on_gpu(tmp_path):
     for r in rows:
         assert r["ttr_fwd_bwd_ms"] > 0 and r["ref_fwd_bwd_ms"] > 0 and r["ttr_peak_mib"] > 0, r
         assert r["rel_err_vs_ref"] < 2e-2 and r["oracle_rel_err"] < 2e-2, r
+
+
+@pytest.mark.gpu
+def test_bench_model_runs_a_preset_on_gpu(tmp_path):
+    """A 1.3B preset trains in the plain loop on the GPU (short sequences): tokens/s, MFU and peak
+    memory filled in; the isolated child returns the same kind of row."""
+    out = tmp_path / "m.json"
+    argv = ["--presets", "gla-1.3b", "--batch", "1", "--seq-len", "2048", "--steps", "2", "--warmup", "1",
+            "--no-references", "--json", str(out)]
+    assert bench_model.main(argv) == 0
+    assert bench_model.main(argv + ["--isolate", "--json", str(tmp_path / "i.json")]) == 0
+    for path in (out, tmp_path / "i.json"):
+        (row,) = json.loads(path.read_text())["rows"]
+        assert row["status"] == "ok", row
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_gib"] > 1, row
