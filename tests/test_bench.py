@@ -4,6 +4,7 @@ shapes where a GPU is present."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,16 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
         assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)
         for fn in calls.values():
             fn()
+
+
+def test_fla_guard_note(monkeypatch):
+    """The note says when fla ran unguarded; without fla, lifting the guard is a no-op, not a crash."""
+    from ttr.scripts import bench_utils
+
+    assert bench_utils.fla_guard_note(True) == bench_utils.FLA_GUARD_NOTE
+    assert "timing only" in bench_utils.FLA_GUARD_NOTE and "#640" in bench_utils.FLA_GUARD_NOTE
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # as if fla were not installed
+    assert bench_utils.lift_fla_guard() is None and bench_utils.fla_guard_note(False) is None
 
 
 def test_bench_model_arguments_and_references(capsys):
