@@ -318,7 +318,8 @@ def decode_throughput(model, vocab: int, batch: int, prompt_len: int, gen_len: i
     return {"tokens_per_s": batch * gen_len / (time.perf_counter() - start), "memory_gib": memory}
 
 
-def decode_table(presets: list[str], args) -> str:
+def decode_table(presets: list[str], args, rows: list[dict]) -> str:
+    """The decoding table of ttr's models of ``presets``; each measurement is appended to ``rows``."""
     device = torch.device(args.device)
     q = sorted({args.gen_len // 4, args.gen_len // 2, args.gen_len})
     lines = [f"Decoding, bf16 weights, {args.prompt_len}-token prompt, {args.gen_len} generated tokens "
@@ -330,6 +331,7 @@ def decode_table(presets: list[str], args) -> str:
         model = build(preset, "ttr", device).to(dtype=torch.bfloat16).eval()
         for batch in (int(b) for b in args.decode_batches.split(",")):
             r = decode_throughput(model, model.config.vocab_size, batch, args.prompt_len, args.gen_len, device)
+            rows.append({"preset": preset, "batch": batch, **r})
             mem = " | ".join("" if r["memory_gib"][n] is None else f"{r['memory_gib'][n]:.3f}" for n in q)
             lines.append(f"| {preset} | {batch} | {r['tokens_per_s']:.1f} | {mem} |")
             print(lines[-1], flush=True)
@@ -399,12 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     note = fla_guard_note(lifted) if args.references else None
     deadline = Deadline(args.time_budget)
     results: list[dict] = []
+    decoded: list[dict] = []
     tables = []
 
     def write(text: str) -> None:
         data = {"environment": env, "settings": {k: getattr(args, k) for k in (
             "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard")},
-            "fla_note": note, "rows": results}
+            "fla_note": note, "rows": results, "decode": decoded}
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1))
         if args.out:
@@ -430,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(format_table(results, header) + ("\n\n" + note if note else ""))
         print("\n" + tables[-1], flush=True)
     if args.decode:
-        tables.append(decode_table(args.preset_list, args))
+        text = decode_table(args.preset_list, args, decoded)
+        tables.append(text if args.train else describe_environment(env) + "\n\n" + text)
         print("\n" + tables[-1], flush=True)
     write("\n\n".join(tables))
     return 0

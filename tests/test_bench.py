@@ -195,6 +195,11 @@ def test_bench_model_smoke_on_cpu(tmp_path):
     ratio = mine["tokens_per_s"] / ref["tokens_per_s"]
     assert f"| HF LlamaForCausalLM | {ref['tokens_per_s']:,.0f} |  |  | {ratio:.2f} |" in table
     assert "| gated_deltanet_h2-debug |" in table and "| none |" in table
+    # the decoding table of ttr's model alone
+    assert bench_model.main(["--device", "cpu", "--presets", "gated_deltanet_h2-debug", "--no-train", "--decode",
+                             "--prompt-len", "8", "--gen-len", "4", "--decode-batches", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["decode"]
+    assert row["batch"] == 2 and row["tokens_per_s"] > 0 and list(row["memory_gib"]) == ["1", "2", "4"]
 
 
 def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
