@@ -18,7 +18,7 @@ COMMANDS = {
     "export": ("ttr.train.export", "export a run directory as a save_pretrained folder"),
     "convert": ("ttr.models.convert", "convert an HF llama / mamba2 or fla folder into a ttr folder"),
     "eval": ("ttr.eval.cli", "evaluate: lm-eval tasks, perplexity, MQAR, state tracking"),
-    "bench": ("ttr.scripts.bench_kernels", "benchmark the kernels against fla and SDPA (GPU)"),
+    "bench": ("ttr.scripts.bench_kernels", "benchmark the kernels at the presets' shapes against fla and SDPA (GPU)"),
 }
 
 

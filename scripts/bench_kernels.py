@@ -1,30 +1,44 @@
-"""Kernel benchmark: ttr vs fla 0.6.0 vs SDPA causal, forward and forward+backward (GPU).
+"""Kernel benchmark: ttr next to fla 0.6.0 or SDPA, forward and forward+backward (GPU).
 
-One process, bf16, H = 16, K = V = 128, 16384 tokens per batch (B x T with T in 2048 ... 16384);
-median ms from ``triton.testing.do_bench``; plus ttr's relative RMS error against the float64
-per-token oracle at a small size (worst of the output and every input gradient). Rows:
-``gated_delta``, ``delta`` (fla ``chunk_gated_delta_rule`` / ``chunk_delta_rule``), ``gla`` (fla
-``chunk_gla``), ``simple_gla`` (fla ``chunk_simple_gla``, the SSD form) and ``ssd`` (ttr's Mamba2
-input form: one group, state size = head dim; no fla counterpart). Gates as in fla's own
-benchmarks: ``logsigmoid(x) / 16`` per key dimension for GLA, ``logsigmoid(x)`` per head otherwise.
+One process, bf16, 16384 tokens per batch (B x T with T in 2048 ... 16384), median ms of
+``triton.testing.do_bench``. Each row times ttr's op and its reference on the same inputs, and gives
+the peak memory of one forward+backward of each (MiB above the inputs), the worst relative RMS error
+of ttr against the reference over the output and every input gradient at the benchmark's shape,
+and ttr's worst relative RMS error against the float64 per-token oracle at a small size (B = 1,
+T = 1024, at most 4 heads).
 
-Usage: ``ttr bench [--ops delta,gated_delta] [--seqlens 2048,4096] [--out table.md]``.
-``--lift-fla-guard`` lets fla run its gated backward on Hopper with Triton < 3.7.1 (fla issue #640;
-timing only, and the table says so); without it those fla cells read n/a there.
+Ops and their references: ``gated_delta``, ``delta`` (fla ``chunk_gated_delta_rule`` /
+``chunk_delta_rule``), ``gla`` (fla ``chunk_gla``), ``simple_gla`` (fla ``chunk_simple_gla``),
+``ssd`` (ttr's Mamba2 input form, against fla ``chunk_simple_gla`` on the same inputs mapped as
+Mamba2 does: B and C expanded over the heads of their group, v = x dt, g = A dt, scale 1),
+``swa`` (ttr's attention with a window, against SDPA with a boolean band mask) and ``attn`` (full
+causal, against SDPA's flash backend). Gates as in fla's own benchmarks: ``logsigmoid(x) / 16`` per
+key dimension for GLA, ``logsigmoid(x)`` per head otherwise.
+
+Shapes (``--shapes``): ``preset`` (default) derives each op's shape from the model presets
+(``--presets``, default every 1.3B preset) through the mixer each block runs (``LAYER_OPS``), plus
+the ``VARIANTS`` (Mamba2 with N = 64 in 8 groups); ``uniform`` runs every op at H = 16, K = V = 128;
+``all`` both.
+
+Usage: ``ttr bench [--shapes preset] [--ops delta,ssd] [--seqlens 2048,4096] [--json OUT.json]``;
+``--dry-run`` lists the rows without running them (no GPU needed). ``--lift-fla-guard`` lets fla run
+its gated backward on Hopper with Triton < 3.7.1 (fla issue #640; timing only, and the table says
+so); without it those fla cells are empty there.
 ``--profile`` prints instead the CUDA kernels of ttr's fwd+bwd per row (``torch.profiler``, ms per
 iteration) and the host time of one call: a row whose host time approaches its kernel time is
 timed as the host, not the GPU (``do_bench`` measures from the first launch).
 ``--stages`` times each engine stage of ``gated_delta``, ``delta``, ``gla`` or ``simple_gla`` (SSD
 runs simple GLA's kernels) and with ``--sweep`` the launch alternatives of ``SWEEPS``, fastest
-first: a winner becomes the stage's default in ``kernels/common``.
+first: a winner becomes the stage's default in ``kernels/common``. Both run at H = 16, K = V = 128.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,46 +47,153 @@ TOKENS = 16384
 HEADS = 16
 HEAD_DIM = 128
 SEQLENS = (2048, 4096, 8192, 16384)
+ORACLE_T = 1024
+SIZE = "1.3b"
+SHAPE_SETS = ("preset", "uniform", "all")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One op at one head layout. ``K`` is the key dim (SSD: the state size N; attention: the head
+    dim), ``V`` the value dim (SSD: the head dim P). ``groups`` (None: none) is G sets of keys each
+    shared by H / G heads: SSD's B/C groups, attention's key/value heads. ``presets`` names the
+    presets that run it."""
+
+    op: str
+    H: int
+    K: int
+    V: int
+    groups: int | None = None
+    window: int | None = None
+    presets: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        if self.op == "ssd":
+            return f"H={self.H} P={self.V} N={self.K} G={self.groups}"
+        if self.op in ("swa", "attn"):
+            kv = f" KV={self.groups}" if self.groups not in (None, self.H) else ""
+            return f"H={self.H}{kv} D={self.K}" + (f" W={self.window}" if self.window else "")
+        return f"H={self.H} K={self.K} V={self.V}"
+
+    def small(self) -> Shape:
+        """The oracle's shape: at most 4 heads (or one per group), the same dims and window."""
+        group = self.H // self.groups if self.groups else 1
+        heads = max(min(self.H, 4) // group, 1) * group
+        return replace(self, H=heads, groups=heads // group if self.groups else None)
+
+
+def _kv_heads(c) -> int | None:
+    return None if c.attn_num_kv_heads == c.attn_num_heads else c.attn_num_kv_heads
+
+
+# the kernel op each mixer runs, at the shape a config gives it
+LAYER_OPS = {
+    "gated_deltanet": lambda c: Shape("gated_delta", c.num_heads, c.head_dim, c.value_head_dim),
+    "delta_net": lambda c: Shape("delta", c.num_heads, c.head_dim, c.value_head_dim),
+    "gla": lambda c: Shape("gla", c.num_heads, c.head_dim, c.value_head_dim),
+    "mamba2": lambda c: Shape("ssd", c.mamba_num_heads, c.mamba_state_size, c.mamba_head_dim,
+                              groups=c.mamba_n_groups),
+    "swa": lambda c: Shape("swa", c.attn_num_heads, c.attn_head_dim, c.attn_head_dim, groups=_kv_heads(c),
+                           window=c.window_size),
+    "attn": lambda c: Shape("attn", c.attn_num_heads, c.attn_head_dim, c.attn_head_dim, groups=_kv_heads(c)),
+}
+
+# more settings of one mixer, measured next to the presets' own: Mamba2 with the state size and
+# groups of the Mamba-2 paper's smaller models
+VARIANTS = {"mamba2": [dict(mamba_state_size=64, mamba_n_groups=8)]}
+
+
+def default_presets() -> list[str]:
+    from ttr.models.presets import list_presets
+
+    return [p for p in list_presets() if p.endswith(f"-{SIZE}")]
+
+
+def preset_shapes(presets: list[str] | None = None) -> list[Shape]:
+    """Every distinct op shape the blocks of ``presets`` run (and the ``VARIANTS``), in the order of
+    ``rows()``; each lists the presets that run it."""
+    from ttr.models.presets import get_preset
+
+    found: dict[Shape, list[str]] = {}
+    for name in presets or default_presets():
+        config = get_preset(name)
+        layer_types = list(dict.fromkeys(config.layer_types))
+        unknown = [t for t in layer_types if t not in LAYER_OPS]
+        if unknown:
+            raise ValueError(f"preset {name}: no kernel shape known for layer types {unknown} (see LAYER_OPS)")
+        runs = [(LAYER_OPS[t](config), name) for t in layer_types]
+        for t in layer_types:
+            for overrides in VARIANTS.get(t, []):
+                tag = ", ".join(f"{k}={v}" for k, v in overrides.items())
+                runs.append((LAYER_OPS[t](get_preset(name, **overrides)), f"{name} with {tag}"))
+        for shape, tag in runs:
+            found.setdefault(shape, []).append(tag)
+    order = list(rows())
+    shapes = [replace(s, presets=tuple(tags)) for s, tags in found.items()]
+    return sorted(shapes, key=lambda s: order.index(s.op))
+
+
+def uniform_shape(op: str) -> Shape:
+    """``op`` at H = HEADS, K = V = HEAD_DIM (SSD: one group; SWA: the presets' window)."""
+    from ttr.models.configuration import TTRConfig
+
+    return Shape(op, HEADS, HEAD_DIM, HEAD_DIM, groups=1 if op == "ssd" else None,
+                 window=TTRConfig().window_size if op == "swa" else None)
 
 
 @dataclass
 class Row:
-    ttr: Callable  # (**inputs) -> (o, state)
-    fla: Callable | None  # same call convention, or None when fla has no such op
-    make_inputs: Callable  # (B, T, H, D, dtype, device) -> dict of tensors
-    reference: Callable  # float64 oracle, same call convention
+    ttr: Callable  # (**inputs) -> output tensor
+    reference: Callable | None  # same call convention, or None
+    reference_name: str
+    make_inputs: Callable  # (B, T, shape, dtype, device) -> dict of inputs
+    oracle: Callable  # float64 oracle, same call convention
 
 
-def _qkv(B, T, H, D, dtype, device):
-    return {name: torch.randn(B, T, H, D, device=device, dtype=dtype) for name in ("q", "k", "v")}
+def _qk(B, T, s: Shape, dtype, device):
+    return {"q": torch.randn(B, T, s.H, s.K, device=device, dtype=dtype),
+            "k": torch.randn(B, T, s.H, s.K, device=device, dtype=dtype),
+            "v": torch.randn(B, T, s.H, s.V, device=device, dtype=dtype)}
 
 
 def delta_inputs(gated: bool):
-    def make(B, T, H, D, dtype, device):
-        x = {**_qkv(B, T, H, D, dtype, device), "beta": torch.rand(B, T, H, device=device).to(dtype)}
+    def make(B, T, s, dtype, device):
+        x = {**_qk(B, T, s, dtype, device), "beta": torch.rand(B, T, s.H, device=device).to(dtype)}
         x["k"] = F.normalize(x["k"].float(), dim=-1).to(dtype)
         if gated:
-            x["g"] = F.logsigmoid(torch.randn(B, T, H, device=device) + 2.0)
+            x["g"] = F.logsigmoid(torch.randn(B, T, s.H, device=device) + 2.0)
         return x
     return make
 
 
-def gla_inputs(B, T, H, D, dtype, device):
-    return {**_qkv(B, T, H, D, dtype, device), "g": F.logsigmoid(torch.randn(B, T, H, D, device=device)) / 16}
+def gla_inputs(B, T, s, dtype, device):
+    return {**_qk(B, T, s, dtype, device), "g": F.logsigmoid(torch.randn(B, T, s.H, s.K, device=device)) / 16}
 
 
-def simple_gla_inputs(B, T, H, D, dtype, device):
-    return {**_qkv(B, T, H, D, dtype, device), "g": F.logsigmoid(torch.randn(B, T, H, device=device))}
+def simple_gla_inputs(B, T, s, dtype, device):
+    return {**_qk(B, T, s, dtype, device), "g": F.logsigmoid(torch.randn(B, T, s.H, device=device))}
 
 
-def ssd_inputs(B, T, H, D, dtype, device):
+def ssd_inputs(B, T, s, dtype, device):
     return {
-        "x": torch.randn(B, T, H, D, device=device, dtype=dtype),
-        "dt": F.softplus(torch.randn(B, T, H, device=device) - 3.0),
-        "A": -torch.rand(H, device=device).mul(15).add(1),
-        "B": (torch.randn(B, T, 1, D, device=device) * D**-0.5).to(dtype),
-        "C": torch.randn(B, T, 1, D, device=device, dtype=dtype),
+        "x": torch.randn(B, T, s.H, s.V, device=device, dtype=dtype),
+        "dt": F.softplus(torch.randn(B, T, s.H, device=device) - 3.0),
+        "A": -torch.rand(s.H, device=device).mul(15).add(1),
+        "B": (torch.randn(B, T, s.groups, s.K, device=device) * s.K**-0.5).to(dtype),
+        "C": torch.randn(B, T, s.groups, s.K, device=device, dtype=dtype),
     }
+
+
+def attention_inputs(B, T, s, dtype, device):
+    from ttr.kernels.attention.reference import band_mask
+
+    kv = s.groups or s.H
+    x = {"q": torch.randn(B, T, s.H, s.K, device=device, dtype=dtype),
+         "k": torch.randn(B, T, kv, s.K, device=device, dtype=dtype),
+         "v": torch.randn(B, T, kv, s.K, device=device, dtype=dtype), "window": s.window}
+    if s.window is not None:  # SDPA's mask, built once outside the timing
+        x["mask"] = band_mask(T, s.window, device)
+    return x
 
 
 def _fla(name: str):
@@ -80,67 +201,256 @@ def _fla(name: str):
     def call(**x):
         if name == "delta":
             from fla.ops.delta_rule import chunk_delta_rule
-            return chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"])
+            return chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"])[0]
         if name == "gated_delta":
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-            return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+            return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
         if name == "gla":
             from fla.ops.gla import chunk_gla
-            return chunk_gla(x["q"], x["k"], x["v"], x["g"])
+            return chunk_gla(x["q"], x["k"], x["v"], x["g"])[0]
         from fla.ops.simple_gla import chunk_simple_gla
-        return chunk_simple_gla(x["q"], x["k"], x["v"], x["g"])
+        if name == "ssd":
+            from ttr.kernels.ssd.reference import ssd_as_simple_gla
+
+            q, k, v, g = ssd_as_simple_gla(x["x"], x["dt"], x["A"], x["B"], x["C"])
+            return chunk_simple_gla(q, k, v, g, scale=1.0)[0]
+        return chunk_simple_gla(x["q"], x["k"], x["v"], x["g"])[0]
     return call
 
 
+def _sdpa(**x):
+    q, k, v = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
+    gqa = q.shape[1] != k.shape[1]
+    if x["window"] is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=x["mask"], enable_gqa=gqa)
+    return o.transpose(1, 2)
+
+
 def rows() -> dict[str, Row]:
-    """Every row of the table, in its order."""
+    """Every op of the table, in its order."""
+    from ttr.kernels.attention import attention, reference_attention
     from ttr.kernels.delta import chunk_delta_rule, reference_delta_rule
     from ttr.kernels.gated_delta import chunk_gated_delta_rule, reference_gated_delta_rule
     from ttr.kernels.gla import chunk_gla, reference_gla
     from ttr.kernels.ssd import chunk_simple_gla, chunk_ssd, reference_simple_gla, reference_ssd
 
-    qkvg = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["g"])  # noqa: E731
-    qkvb = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["beta"])  # noqa: E731
-    qkvgb = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"])  # noqa: E731
-    ssd = lambda fn: lambda **x: fn(x["x"], x["dt"], x["A"], x["B"], x["C"])  # noqa: E731
+    qkvg = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["g"])[0]  # noqa: E731
+    qkvb = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["beta"])[0]  # noqa: E731
+    qkvgb = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"])[0]  # noqa: E731
+    ssd = lambda fn: lambda **x: fn(x["x"], x["dt"], x["A"], x["B"], x["C"])[0]  # noqa: E731
+    attn = lambda fn: lambda **x: fn(x["q"], x["k"], x["v"], window=x["window"])  # noqa: E731
     return {
-        "gated_delta": Row(qkvgb(chunk_gated_delta_rule), _fla("gated_delta"), delta_inputs(True),
-                           qkvgb(reference_gated_delta_rule)),
-        "delta": Row(qkvb(chunk_delta_rule), _fla("delta"), delta_inputs(False), qkvb(reference_delta_rule)),
-        "gla": Row(qkvg(chunk_gla), _fla("gla"), gla_inputs, qkvg(reference_gla)),
-        "simple_gla": Row(qkvg(chunk_simple_gla), _fla("simple_gla"), simple_gla_inputs, qkvg(reference_simple_gla)),
-        "ssd": Row(ssd(chunk_ssd), None, ssd_inputs, ssd(reference_ssd)),
+        "gated_delta": Row(qkvgb(chunk_gated_delta_rule), _fla("gated_delta"), "fla chunk_gated_delta_rule",
+                           delta_inputs(True), qkvgb(reference_gated_delta_rule)),
+        "delta": Row(qkvb(chunk_delta_rule), _fla("delta"), "fla chunk_delta_rule", delta_inputs(False),
+                     qkvb(reference_delta_rule)),
+        "gla": Row(qkvg(chunk_gla), _fla("gla"), "fla chunk_gla", gla_inputs, qkvg(reference_gla)),
+        "simple_gla": Row(qkvg(chunk_simple_gla), _fla("simple_gla"), "fla chunk_simple_gla", simple_gla_inputs,
+                          qkvg(reference_simple_gla)),
+        "ssd": Row(ssd(chunk_ssd), _fla("ssd"), "fla chunk_simple_gla (B, C expanded)", ssd_inputs,
+                   ssd(reference_ssd)),
+        "swa": Row(attn(attention), _sdpa, "SDPA, band mask", attention_inputs, attn(reference_attention)),
+        "attn": Row(attn(attention), _sdpa, "SDPA, is_causal", attention_inputs, attn(reference_attention)),
     }
 
 
-def _bench(fn, x, do, backward: bool) -> float:
-    from triton.testing import do_bench
+def _leaves(x: dict) -> list[torch.Tensor]:
+    return [t for t in x.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-    leaves = [t for t in x.values() if t.requires_grad]
-    if not backward:
-        with torch.no_grad():
-            return do_bench(lambda: fn(**x), warmup=25, rep=100, return_mode="median")
+
+def _inputs(row: Row, B: int, T: int, s: Shape, device, dtype=torch.bfloat16) -> tuple[dict, torch.Tensor]:
+    """Inputs that require grad, and an output gradient."""
+    x = row.make_inputs(B, T, s, dtype, device)
+    for t in _leaves(x):
+        t.requires_grad_(True)
+    return x, torch.randn(B, T, s.H, s.V, device=device, dtype=dtype)
+
+
+def _bench(fn, x, do, backward: bool, device) -> float:
+    leaves = _leaves(x)
 
     def step():
-        fn(**x)[0].backward(do)
-    return do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+        if not backward:
+            with torch.no_grad():
+                return fn(**x)
+        fn(**x).backward(do)
+
+    if device.type != "cuda":  # a CPU smoke run: the code path, not a measurement
+        from ttr.scripts.bench_utils import time_ms
+
+        def reset_and_step():
+            for t in leaves:
+                t.grad = None
+            step()
+        return time_ms(reset_and_step, reps=2, warmup=1, device=device)
+    from triton.testing import do_bench
+
+    return do_bench(step, warmup=25, rep=100, grad_to_none=leaves if backward else None, return_mode="median")
 
 
-def _profile_row(row: Row, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
+def _peak(fn, x, do) -> float | None:
+    from ttr.scripts.bench_utils import peak_mib
+
+    for t in _leaves(x):
+        t.grad = None
+    return peak_mib(lambda: fn(**x).backward(do))
+
+
+def _outputs(fn, x, do) -> list[torch.Tensor | None]:
+    """The output and every input gradient of one forward+backward."""
+    leaves = _leaves(x)
+    for t in leaves:
+        t.grad = None
+    o = fn(**x)
+    o.backward(do.to(o.dtype))
+    return [o.detach()] + [None if t.grad is None else t.grad.clone() for t in leaves]
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("inf")
+
+
+def max_rel_error(first: list, second: list) -> float:
+    """Worst relative RMS error of ``first`` against ``second``, tensor by tensor."""
+    return max(_rel(a, b) for a, b in zip(first, second) if a is not None and b is not None)
+
+
+def oracle_error(row: Row, s: Shape, device) -> float:
+    """Worst relative RMS error of the output and every gradient, bf16 ttr vs the float64 oracle."""
+    small = s.small()
+    # a window shorter than the sequence, so that the band is what is checked
+    x, do = _inputs(row, 1, max(ORACLE_T, 2 * (s.window or 0)), small, device)
+    leaves = {id(t) for t in _leaves(x)}
+    x64 = {n: t.detach().double().requires_grad_(True) if id(t) in leaves else t for n, t in x.items()}
+    return max_rel_error(_outputs(row.ttr, x, do), _outputs(row.oracle, x64, do.double()))
+
+
+def plan(shape_set: str, ops: list[str] | None, presets: list[str] | None, seqlens: list[int],
+         tokens: int) -> list[tuple[Shape, int, int]]:
+    """The rows to run: ``(shape, B, T)``."""
+    shapes = []
+    if shape_set in ("preset", "all"):
+        shapes += [s for s in preset_shapes(presets) if ops is None or s.op in ops]
+    if shape_set in ("uniform", "all"):
+        shapes += [uniform_shape(op) for op in ops or rows()]
+    return [(s, max(1, tokens // T), T) for s in shapes for T in seqlens]
+
+
+def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all") -> dict:
+    """One row: times, peak memory and errors of ttr and its reference (``references``: "all",
+    "sdpa" for the SDPA ones only, "none"); a failing reference leaves its cells empty and its error
+    in ``errors``."""
+    r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
+         "errors": {}}
+    x, do = _inputs(row, B, T, s, device)
+    wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
+    impls = [("ttr", row.ttr)] + ([("ref", row.reference)] if wanted and row.reference else [])
+    outputs = {}
+    for label, fn in impls:
+        try:
+            r[f"{label}_fwd_ms"] = _bench(fn, x, do, False, device)
+            r[f"{label}_fwd_bwd_ms"] = _bench(fn, x, do, True, device)
+            r[f"{label}_peak_mib"] = _peak(fn, x, do)
+            outputs[label] = _outputs(fn, x, do)
+        except Exception as e:  # a failing reference must not hide ttr's numbers, nor ttr's the reference's
+            r["errors"][label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            print(f"{s.op} {s.label()} {label} B={B} T={T}: {r['errors'][label]}", file=sys.stderr, flush=True)
+    if len(outputs) == 2:
+        r["rel_err_vs_ref"] = max_rel_error(outputs["ttr"], outputs["ref"])
+    del outputs, x, do
+    return r
+
+
+COLUMNS = [("ttr fwd", "ttr_fwd_ms", ".3f"), ("ref fwd", "ref_fwd_ms", ".3f"),
+           ("ttr fwd+bwd", "ttr_fwd_bwd_ms", ".3f"), ("ref fwd+bwd", "ref_fwd_bwd_ms", ".3f"),
+           ("ttr MiB", "ttr_peak_mib", ".0f"), ("ref MiB", "ref_peak_mib", ".0f"),
+           ("err vs ref", "rel_err_vs_ref", ".1e"), ("err vs oracle", "oracle_rel_err", ".1e")]
+
+
+def format_row(r: dict) -> str:
+    if r.get("skipped"):
+        return f"| {r['op']} | {r['reference']} | {r['shape']} | {r['B']} x {r['T']} | {r['skipped']} |"
+    cells = ["" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in COLUMNS]
+    ratio = (f"{r['ttr_fwd_bwd_ms'] / r['ref_fwd_bwd_ms']:.2f}"
+             if r.get("ttr_fwd_bwd_ms") and r.get("ref_fwd_bwd_ms") else "")
+    return f"| {r['op']} | {r['reference']} | {r['shape']} | {r['B']} x {r['T']} | " + " | ".join(cells[:4]) + \
+        f" | {ratio} | " + " | ".join(cells[4:]) + " |"
+
+
+def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all", oracle: bool = True,
+        fla_note: str | None = None, budget: float | None = None, write: Callable | None = None) -> tuple[str, dict]:
+    """The markdown table and its JSON of ``todo`` (from ``plan``); rows not started within ``budget``
+    seconds are listed as skipped. ``write(table, data)`` gets both after every row."""
+    from ttr.scripts.bench_utils import Deadline, describe_environment, environment
+
+    device = torch.device(device or "cuda")
+    env = environment(device)
+    deadline = Deadline(budget)
+    table = rows()
+    timing = "median ms (do_bench)" if device.type == "cuda" else "CPU: code paths only, the times measure nothing"
+    header = [
+        f"{describe_environment(env)}; bf16, {timing}; peak MiB of one fwd+bwd above its inputs; "
+        f"errors: worst relative RMS error over the output and every input gradient, ttr against the reference "
+        f"at the row's shape, and against the float64 oracle (B=1, T={ORACLE_T} or twice the window, at most 4 "
+        "heads)",
+        "",
+        "| op | reference | shape | B x T | " + " | ".join(c for c, _, _ in COLUMNS[:4]) + " | ttr / ref | "
+        + " | ".join(c for c, _, _ in COLUMNS[4:]) + " |",
+        "|" + "---|" * (5 + len(COLUMNS)),
+    ]
+    footer = []
+    runs_by = {(s.op, s.label()): s.presets for s, _, _ in todo}
+    if any(runs_by.values()):
+        footer += ["", "Shapes and the presets that run them:"]
+        footer += [f"- {op} {label}: {', '.join(p)}" for (op, label), p in runs_by.items() if p]
+    if fla_note:
+        footer += ["", fla_note]
+    print("\n".join(header), flush=True)
+    results, oracle_errors = [], {}
+
+    def report() -> tuple[str, dict]:
+        return "\n".join(header + [format_row(r) for r in results] + footer), \
+            {"environment": env, "fla_note": fla_note, "rows": results}
+
+    for s, B, T in todo:
+        row = table[s.op]
+        if deadline.expired():
+            r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
+                 "skipped": "not run: time budget spent"}
+        else:
+            r = measure(row, s, B, T, device, references)
+            key = replace(s, presets=())
+            if oracle and key not in oracle_errors:
+                try:
+                    oracle_errors[key] = oracle_error(row, s, device)
+                except Exception as e:  # reported in the row; the timings stand
+                    oracle_errors[key] = None
+                    r["errors"]["oracle"] = f"{type(e).__name__}: {e}"[:300]
+            r["oracle_rel_err"] = oracle_errors.get(key)
+        results.append(r)
+        print(format_row(r), flush=True)
+        if write is not None:
+            write(*report())
+    return report()
+
+
+def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
     """(kernel ms per fwd+bwd, host ms per call, [(kernel name, launches per call, ms per call)])."""
     import time
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    x = row.make_inputs(B, T, HEADS, HEAD_DIM, torch.bfloat16, device)
-    leaves = [t.requires_grad_(True) for t in x.values() if t.is_floating_point()]
-    do = torch.randn(B, T, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    x, do = _inputs(row, B, T, s, device)
+    leaves = _leaves(x)
 
     def step():
         for t in leaves:
             t.grad = None
-        row.ttr(**x)[0].backward(do)
+        row.ttr(**x).backward(do)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
@@ -169,7 +479,7 @@ def profile(ops: list[str], seqlens: list[int], device=None, iters: int = 10) ->
     for name in ops:
         for T in seqlens:
             B = max(1, TOKENS // T)
-            total, host, kernels = _profile_row(table[name], B, T, device, iters)
+            total, host, kernels = _profile_row(table[name], uniform_shape(name), B, T, device, iters)
             block = [f"{name} {B} x {T}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call", "",
                      "| kernel | launches per call | ms per call |", "|---|---|---|"]
             block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
@@ -178,78 +488,11 @@ def profile(ops: list[str], seqlens: list[int], device=None, iters: int = 10) ->
     return "\n".join(lines)
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item() if torch.isfinite(a).all() else float("inf")
-
-
-def relative_error(row: Row, device, B=1, T=1024, H=4, D=HEAD_DIM) -> float:
-    """Worst relative RMS error of the output and every gradient, bf16 ttr vs float64 oracle."""
-    x = row.make_inputs(B, T, H, D, torch.bfloat16, device)
-    do = torch.randn(B, T, H, D, device=device)
-    results = []
-    for fn, cast in ((row.ttr, lambda t: t), (row.reference, lambda t: t.double())):
-        xi = {n: cast(t).detach().requires_grad_(t.is_floating_point()) for n, t in x.items()}
-        o = fn(**xi)[0]
-        o.backward(do.to(o.dtype))
-        results.append([o.detach()] + [xi[n].grad for n in xi if xi[n].grad is not None])
-    return max(_rel(a, b) for a, b in zip(*results))
-
-
-def _sdpa(B, T, H, D, device):
-    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fn = lambda **x: (F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True), None)
-    return fn, {"q": q, "k": k, "v": v}, torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)
-
-
-def _cell(cells: dict, label: str, i: int) -> str:
-    return f"{cells[label][i]:.3f}" if label in cells else "n/a"
-
-
-def run(ops: list[str], seqlens: list[int], with_fla: bool = True, fla_note: str | None = None) -> str:
-    """The table; ``fla_note`` (from ``bench_utils.lift_fla_guard``) ends it when fla ran unguarded."""
-    import triton
-
-    device = torch.device("cuda")
-    lines = [
-        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
-        f"bf16, H={HEADS}, K=V={HEAD_DIM}, {TOKENS} tokens per batch, median ms (do_bench)",
-        "",
-        "| op | B x T | ttr fwd | fla fwd | sdpa fwd | ttr fwd+bwd | fla fwd+bwd | sdpa fwd+bwd | ttr rel. err |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    table = rows()
-    for name in ops:
-        row = table[name]
-        err = relative_error(row, device)
-        for T in seqlens:
-            B = max(1, TOKENS // T)
-            x = row.make_inputs(B, T, HEADS, HEAD_DIM, torch.bfloat16, device)
-            for t in x.values():
-                t.requires_grad_(True)
-            do = torch.randn(B, T, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-            cells = {}
-            impls = [("ttr", row.ttr)] + ([("fla", row.fla)] if with_fla and row.fla is not None else [])
-            for label, fn in impls:
-                try:
-                    cells[label] = (_bench(fn, x, do, False), _bench(fn, x, do, True))
-                except Exception as e:  # an unavailable or failing baseline must not hide ttr's numbers
-                    print(f"{name} {label} B={B} T={T}: {type(e).__name__}: {e}", file=sys.stderr)
-            sfn, sx, sdo = _sdpa(B, T, HEADS, HEAD_DIM, device)
-            cells["sdpa"] = (_bench(sfn, sx, sdo, False), _bench(sfn, sx, sdo, True))
-            row_cells = [_cell(cells, label, i) for i in (0, 1) for label in ("ttr", "fla", "sdpa")]
-            lines.append(f"| {name} | {B} x {T} | " + " | ".join(row_cells) + f" | {err:.1e} |")
-            print(lines[-1], flush=True)
-    if fla_note:
-        lines += ["", fla_note]
-    return "\n".join(lines)
-
-
 def _stage_inputs(make_inputs, B: int, T: int, device):
     """bf16 inputs of the benchmark's shape, an output gradient, the scale and the chunk plan."""
     from ttr.kernels.common.index import prepare_chunks
 
-    x = make_inputs(B, T, HEADS, HEAD_DIM, torch.bfloat16, device)
+    x = make_inputs(B, T, Shape("", HEADS, HEAD_DIM, HEAD_DIM), torch.bfloat16, device)
     return x, torch.randn_like(x["v"]), HEAD_DIM**-0.5, prepare_chunks(None, B, T, device=device)
 
 
@@ -390,41 +633,88 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: bool) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, lift_fla_guard
+    from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, fla_guard_note, lift_fla_guard
 
     names = list(rows())
     parser = argparse.ArgumentParser(prog="ttr bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default=None, help=f"comma-separated rows (default: all of {','.join(names)})")
+    parser.add_argument("--shapes", default="preset", choices=SHAPE_SETS,
+                        help="preset: the shapes the presets run (default); uniform: H=16, K=V=128; all: both")
+    parser.add_argument("--presets", default=None,
+                        help=f"comma-separated presets whose shapes to run (default: every {SIZE} preset)")
+    parser.add_argument("--ops", default=None, help=f"comma-separated ops (default: all of {','.join(names)})")
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
-    parser.add_argument("--no-fla", action="store_true", help="skip the fla columns")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
+    parser.add_argument("--no-fla", action="store_true", help="skip the fla references (SDPA's still run)")
+    parser.add_argument("--no-reference", action="store_true", help="skip every reference (fla and SDPA)")
+    parser.add_argument("--no-oracle", action="store_true", help="skip the error against the float64 oracle")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; rows not started by then are listed as skipped")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the code paths only (no measurement)")
+    parser.add_argument("--dry-run", action="store_true", help="list the rows and exit")
     parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--json", default=None, help="also write the rows and the environment to this JSON file")
     parser.add_argument("--stages", action="store_true",
                         help=f"time each engine stage instead ({', '.join(STAGE_CALLS)})")
     parser.add_argument("--sweep", action="store_true", help="with --stages: also time launch alternatives")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
     args = parser.parse_args(argv)
     allowed = list(STAGE_CALLS) if args.stages else names
-    ops = args.ops.split(",") if args.ops else allowed
-    unknown = [o for o in ops if o not in allowed]
+    ops = args.ops.split(",") if args.ops else None
+    unknown = [o for o in ops or [] if o not in allowed]
     if unknown:
         parser.error(f"--ops: unknown {unknown}; expected some of {allowed}")
-    seqlens = [int(t) for t in args.seqlens.split(",")]
-    if not torch.cuda.is_available():
-        print("ttr bench needs a CUDA GPU", file=sys.stderr)
+    try:
+        seqlens = [int(t) for t in args.seqlens.split(",")]
+    except ValueError:
+        parser.error(f"--seqlens: expected comma-separated integers, got {args.seqlens!r}")
+    if any(t < 1 for t in seqlens) or args.tokens < 1:
+        parser.error("--seqlens and --tokens must be positive")
+    presets = args.presets.split(",") if args.presets else None
+    if presets:
+        from ttr.models.presets import list_presets
+
+        bad = [p for p in presets if p not in list_presets()]
+        if bad:
+            parser.error(f"--presets: unknown {bad}; expected some of {list_presets()}")
+    todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
+    if not todo and not (args.stages or args.profile):
+        parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
+    if args.dry_run:
+        for s, B, T in todo:
+            print(f"{s.op} {s.label()} {B} x {T}: {rows()[s.op].reference_name}; {', '.join(s.presets) or args.shapes}")
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("ttr bench needs a CUDA GPU (--dry-run lists the rows; --device cpu runs the code paths)",
+              file=sys.stderr)
         return 2
+    data = None
     if args.stages:
-        table = profile_stages(ops, [(max(1, TOKENS // t), t) for t in seqlens], args.sweep)
+        table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens], args.sweep)
     elif args.profile:
-        table = profile(ops, seqlens)
+        table = profile(ops or allowed, seqlens)
     else:
-        note = lift_fla_guard() if args.lift_fla_guard and not args.no_fla else None
-        table = run(ops, seqlens, with_fla=not args.no_fla, fla_note=note)
-        print(table)
+        references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
+        lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None
+        note = fla_guard_note(lifted) if references == "all" else None
+        settings = {"shapes": args.shapes, "tokens": args.tokens}
+        table, data = run(todo, device, references=references, oracle=not args.no_oracle,
+                          fla_note=note, budget=args.time_budget,
+                          write=lambda text, data: _write(args, text, {**data, **settings}))
+        data.update(settings)
+        print("\n" + table)
+    _write(args, table, data)
+    return 0
+
+
+def _write(args, table: str, data: dict | None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
-    return 0
+    if args.json and data is not None:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

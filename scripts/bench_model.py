@@ -1,195 +1,442 @@
-"""End-to-end model benchmark (GPU): training throughput against fla, and recurrent decoding.
+"""End-to-end training throughput of every 1.3B preset next to its reference, and decoding (GPU).
 
-1. Training: tokens/s of forward + backward + AdamW step for ``--preset`` (default
-   ``gated_deltanet-1.3b``: hidden 2048, 24 layers, 16 heads of 128, vocab 32000) at
-   ``--batch`` x ``--seq-len`` (8 x 4096), fp32 master weights under bf16 autocast, no
-   activation checkpointing, and peak memory; then fla 0.6.0's ``GatedDeltaNetForCausalLM`` of
-   the same shape in the same process (fla imported lazily; a failure becomes a row with the error).
-   On Hopper with Triton < 3.7.1 fla refuses its gated backward (fla issue #640); ``--lift-fla-guard``
-   lets it run for timing only, and the output then says so.
-2. Decoding: bf16 weights, a ``--prompt-len`` (1024) token prompt prefilled with the chunk
-   kernels, then ``--gen-len`` tokens decoded one at a time with the recurrent kernels at batch 1
-   and 64: tokens/s and allocated memory after 1/4, 1/2 and all of the generated tokens (constant
-   for recurrent layers: the state does not grow with the generated length).
+Training: for each preset (``--presets``, default every 1.3B preset) the plain user loop:
+``AutoModelForCausalLM.from_config(get_preset(name))``, fused AdamW, bf16 autocast over fp32
+weights, no activation checkpointing, random tokens of ``--batch`` x ``--seq-len`` (8 x 4096),
+``--warmup`` steps and then ``--steps`` timed steps (CUDA events, median step): tokens/s, MFU
+(FLOPs per token as ``ttr.train.metrics`` counts them, each mixer's ``flops_per_token`` included,
+against the GPU's dense bf16 peak; the reference has the same architecture and is credited the
+same FLOPs) and peak memory (``torch.cuda.max_memory_allocated``: weights, optimizer state and
+activations). Next to it, in the same process, the reference model of the same shape that
+``ttr.scripts.reference_models`` builds: fla 0.6.0 for Gated DeltaNet, DeltaNet, GLA and the Gated
+DeltaNet + SWA hybrid (with fla's own default loss), Hugging Face ``LlamaForCausalLM`` (SDPA) for the
+transformer and ``Mamba2ForCausalLM`` for Mamba2 (its PyTorch path without the mamba_ssm kernels:
+it may not fit, which is reported). ``gated_deltanet_h2`` has no reference. Out of memory and other
+failures are rows, not crashes; each model starts from a freed GPU, or with ``--isolate`` in its
+own process, so that a crash (an illegal address poisons the CUDA context) costs only its row.
+``--time-budget`` lists the models not started in time as skipped; the table and JSON are
+rewritten after every model, so a run killed from outside keeps what it measured.
 
-Usage: ``python -m ttr.scripts.bench_model [--steps 10] [--no-fla] [--out table.md]``.
+``--loop trainer`` drives the models with ttr's trainer instead (``configs/PRESET.toml``'s
+optimizer, packed documents of the embedded corpus with ``cu_seqlens``, accelerate; tokens/s the
+median of the timed steps); its references are fla's models, the ones that take ``cu_seqlens``.
+
+On Hopper with Triton < 3.7.1 fla 0.6.0 refuses its gated backward (fla issue #640);
+``--lift-fla-guard`` lets it run for timing only, and the output then says so.
+
+Decoding (``--decode``): bf16 weights, a ``--prompt-len`` (1024) token prompt prefilled with the
+chunk kernels, then ``--gen-len`` tokens decoded one at a time with the recurrent kernels at batch
+1 and 64: tokens/s and allocated memory after 1/4, 1/2 and all of the generated tokens (constant
+for recurrent layers: the state does not grow with the generated length).
+
+Usage: ``python -m ttr.scripts.bench_model [--presets a,b] [--no-references] [--steps 5]
+[--isolate] [--json OUT.json] [--out OUT.md]``; ``--device cpu`` runs the code paths on a CPU
+(debug presets; no measurement).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, lift_fla_guard
+from ttr.scripts.bench_utils import (
+    LIFT_FLA_GUARD_HELP,
+    Deadline,
+    describe_environment,
+    environment,
+    fla_guard_note,
+    lift_fla_guard,
+    time_ms,
+)
 
 GIB = 2**30
+SIZE = "1.3b"
+IMPLS = ("ttr", "reference")
+LOOPS = ("plain", "trainer")
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
+def default_presets() -> list[str]:
+    from ttr.models.presets import list_presets
+
+    return [p for p in list_presets() if p.endswith(f"-{SIZE}")]
 
 
-def _reset() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+def has_reference(preset: str, loop: str = "plain") -> bool:
+    """Whether ``reference_models`` builds a reference for ``preset`` (in the trainer loop: an fla
+    one, as only fla's models take the packed batches' ``cu_seqlens``)."""
+    from ttr.models import get_preset
+    from ttr.scripts.reference_models import FLA_FAMILIES, family_of
+
+    try:
+        family = family_of(get_preset(preset))
+    except ValueError:
+        return False
+    return loop == "plain" or family in FLA_FAMILIES | {"gated_deltanet_h1"}
 
 
-def build_ttr(preset: str):
-    from ttr.models import TTRForCausalLM, get_preset
+def model_facts(preset: str, seq_len: int) -> dict:
+    """Parameters and trained FLOPs per token of ``preset``, from a model on the meta device."""
+    from transformers import AutoModelForCausalLM
 
-    return TTRForCausalLM(get_preset(preset))
+    from ttr.models import get_preset
+    from ttr.train.metrics import train_flops_per_token
 
-
-def build_fla(ttr_config):
-    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-
-    cfg = GatedDeltaNetConfig(
-        hidden_size=ttr_config.hidden_size,
-        num_hidden_layers=ttr_config.num_hidden_layers,
-        num_heads=ttr_config.num_heads,
-        head_dim=ttr_config.head_dim,
-        expand_v=ttr_config.expand_v,
-        intermediate_size=ttr_config.intermediate_size,
-        vocab_size=ttr_config.vocab_size,
-        conv_size=ttr_config.conv_size,
-    )
-    return GatedDeltaNetForCausalLM(cfg)
+    config = get_preset(preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {"params": sum(p.numel() for p in model.parameters()),
+            "flops_per_token": train_flops_per_token(model, config, seq_len)}
 
 
-def train_throughput(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
-    model = model.cuda().train()
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
-    elapsed, losses = 0.0, []
-    for step in range(warmup + steps):
-        _sync()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+def build(preset: str, impl: str, device):
+    """ttr's model of ``preset`` or its reference, initialised on ``device``; fla's models keep
+    their own default loss (the parity runs switch fla's fused loss off, a throughput run does not)."""
+    from transformers import AutoModelForCausalLM
+
+    import ttr  # noqa: F401  (registers ttr's model with the Auto classes)
+    from ttr.models import get_preset
+    from ttr.scripts.reference_models import build_reference
+
+    config = get_preset(preset)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised in place: a 1.3B model's CPU init costs seconds per model
+        model = AutoModelForCausalLM.from_config(config) if impl == "ttr" else build_reference(config)
+    if impl != "ttr" and hasattr(model.config, "fuse_cross_entropy"):
+        model.config.fuse_cross_entropy = type(model.config)().fuse_cross_entropy
+    return model.to(device)
+
+
+ORIGINS = {"fla": "fla", "transformers": "HF", "ttr": "ttr"}
+
+
+def model_name(model) -> str:
+    origin = type(model).__module__.split(".")[0]
+    return f"{ORIGINS.get(origin, origin)} {type(model).__name__}"
+
+
+def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: int, device) -> dict:
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device)
+    losses = []
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync()
-        if step >= warmup:
-            elapsed += time.perf_counter() - start
-        losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated() / GIB
-    del model, opt, ids
-    _reset()
-    return {
-        "params": params,
-        "tokens_per_s": batch * seq_len * steps / elapsed,
-        "peak_gib": peak,
-        "loss_first_last": (losses[0], losses[-1]),
-    }
+        losses.append(loss.detach())
+
+    ms = time_ms(step, reps=steps, warmup=warmup, device=device)
+    return {"step_ms": ms, "tokens_per_s": batch * seq_len / ms * 1e3,
+            "loss_first": losses[0].item(), "loss_last": losses[-1].item()}
+
+
+def trainer_loop(preset: str, impl: str, args) -> dict:
+    """The timed steps of ttr's trainer on ``configs/PRESET.toml``, the reference swapped in as
+    the model where asked."""
+    from ttr.scripts.reference_models import build_reference
+    from ttr.train.cli import CONFIG_DIR
+    from ttr.train.config import load_config
+    from ttr.train.metrics import train_flops_per_token
+    from ttr.train.trainer import Trainer, build_model
+
+    recipe = CONFIG_DIR / f"{preset}.toml"
+    if not recipe.is_file():
+        raise ValueError(f"--loop trainer: no recipe {recipe} for preset {preset}")
+    total = args.warmup + args.steps
+    cfg = load_config(recipe, [
+        f"--run_dir={args.run_root}/{preset}.{impl}", "--data.source=embedded", f"--tokenizer.path={args.tokenizer}",
+        "--model.overrides.vocab_size=32000", f"--train.micro_batch_size={args.batch}",
+        f"--train.seq_len={args.seq_len}", "--train.batch_tokens=0", f"--train.max_steps={total}",
+        "--optim.warmup_steps=2", "--train.export_at_end=false", "--train.precision=bf16", "--log.every=1",
+        "--log.val_every=0", "--log.wandb=off", "--log.progress=false", "--data.val_docs=0",
+    ])
+
+    class Packed(torch.nn.Module):
+        """fla's model called as the trainer calls ttr's: packed ``[1, B*T]`` input with
+        ``cu_seqlens``, loss = summed token loss / ``num_items_in_batch`` (fla's convention too)."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, None  # no config: the trainer leaves FLOPs to the caller
+
+        def forward(self, input_ids, labels, cu_seqlens, num_items_in_batch, use_cache=False, return_logits=None):
+            return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False,
+                              num_items_in_batch=num_items_in_batch)
+
+    facts = {}
+
+    def factory(cfg_, tokenizer):
+        if impl == "ttr":
+            return build_model(cfg_, tokenizer)
+        with torch.device("meta"):  # only the config (the trainer's vocabulary and positions) and FLOPs
+            mine = build_model(cfg_, tokenizer)
+        config = mine.config
+        facts["flops_per_token"] = train_flops_per_token(mine, config, cfg_.train.seq_len)
+        torch.manual_seed(0)
+        model = build_reference(config)
+        model.config.fuse_cross_entropy = type(model.config)().fuse_cross_entropy
+        return Packed(model)
+
+    class NoCheckpoints(Trainer):
+        def save(self):
+            return None
+
+    trainer = NoCheckpoints(cfg, overwrite=True, model_factory=factory)
+    record = trainer.run()
+    timed = sorted(r["tokens_per_s"] for r in trainer.history[args.warmup:])
+    inner = trainer.inner.model if impl != "ttr" else trainer.inner
+    tps = timed[len(timed) // 2]
+    result = {"model": model_name(inner), "params": sum(p.numel() for p in inner.parameters()), "tokens_per_s": tps,
+              "step_ms": trainer.batch_tokens / tps * 1e3, "loss_first": trainer.history[0]["loss"],
+              "loss_last": record["loss"], "flops_per_token": facts.get("flops_per_token", trainer.flops_per_token)}
+    del trainer, inner
+    return result
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measure(preset: str, impl: str, args) -> dict:
+    """One model's row; out of memory and other failures become its status."""
+    from ttr.train.metrics import peak_flops
+
+    device = torch.device(args.device)
+    row = {"preset": preset, "impl": impl, **model_facts(preset, args.seq_len)}
+    model = None
+    _free()
+    try:
+        if args.loop == "trainer":
+            row.update(trainer_loop(preset, impl, args))
+        else:
+            model = build(preset, impl, device)
+            row["model"] = model_name(model)
+            row["params"] = sum(p.numel() for p in model.parameters())
+            row.update(plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
+                                  device))
+        row["status"] = "ok"
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        peak = peak_flops(device)
+        row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", error=str(e).splitlines()[0][:300])
+    except Exception as e:  # a failed model is reported, the others still run
+        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    # the exception (and the tensors of its frames) is gone here, so the memory can be returned
+    model = None
+    _free()
+    return row
+
+
+def _child_argv(args, preset: str, impl: str, result: str) -> list[str]:
+    argv = ["--one", f"{preset}:{impl}", "--result", result, "--batch", str(args.batch), "--seq-len",
+            str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--loop", args.loop,
+            "--device", args.device, "--run-root", args.run_root, "--tokenizer", args.tokenizer]
+    return argv + (["--lift-fla-guard"] if args.lift_fla_guard else [])
+
+
+def measure_isolated(preset: str, impl: str, args, timeout: float | None) -> dict:
+    """``measure`` in a fresh process (the same Python and ``PYTHONPATH``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "row.json")
+        code = "import sys; from ttr.scripts.bench_model import main; sys.exit(main(sys.argv[1:]))"
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, *_child_argv(args, preset, impl, result)],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"preset": preset, "impl": impl, "status": "error", "error": f"timed out after {timeout:.0f} s"}
+        sys.stderr.write(proc.stderr[-4000:])
+        if os.path.exists(result):
+            return json.loads(Path(result).read_text())
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        return {"preset": preset, "impl": impl, "status": "error", "error": f"exit {proc.returncode}: {last}"[:300]}
+
+
+def _cell(r: dict | None) -> list[str]:
+    """model, tokens/s, MFU, peak GiB of one row."""
+    if r is None:
+        return ["none", "", "", ""]
+    if r["status"] != "ok":
+        what = {"oom": "out of memory", "skipped": "not run: time budget spent"}.get(r["status"], r.get("error", ""))
+        return [r.get("model", ""), what.replace("|", "/")[:120], "", ""]
+    mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") is not None else ""
+    mem = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else ""
+    return [r["model"], f"{r['tokens_per_s']:,.0f}", mfu, mem]
+
+
+def format_table(results: list[dict], header: list[str]) -> str:
+    lines = header + [
+        "| preset | ttr tokens/s | ttr MFU | ttr peak GiB | reference | ref tokens/s | ref MFU | ref peak GiB | "
+        "ttr / ref |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_preset: dict[str, dict] = {}
+    for r in results:
+        by_preset.setdefault(r["preset"], {})[r["impl"]] = r
+    for preset, pair in by_preset.items():
+        mine, ref = pair.get("ttr"), pair.get("reference")
+        ratio = ""
+        if mine and ref and mine["status"] == ref["status"] == "ok":
+            ratio = f"{mine['tokens_per_s'] / ref['tokens_per_s']:.2f}"
+        ttr_cells = _cell(mine)[1:] if mine else ["", "", ""]
+        lines.append(f"| {preset} | " + " | ".join(ttr_cells + _cell(ref)) + f" | {ratio} |")
+    return "\n".join(lines)
 
 
 @torch.no_grad()
-def decode_throughput(model, vocab: int, batch: int, prompt_len: int, gen_len: int) -> dict:
-    prompt = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
+def decode_throughput(model, vocab: int, batch: int, prompt_len: int, gen_len: int, device) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prompt = torch.randint(0, vocab, (batch, prompt_len), device=device)
     out = model(prompt, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     marks = {gen_len // 4, gen_len // 2, gen_len}
     memory = {}
-    _sync()
+    sync()
     start = time.perf_counter()
     for i in range(1, gen_len + 1):
         out = model(token, past_key_values=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         if i in marks:
-            memory[i] = torch.cuda.memory_allocated() / GIB
-    _sync()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": batch * gen_len / elapsed, "memory_gib": memory}
+            memory[i] = torch.cuda.memory_allocated() / GIB if device.type == "cuda" else None
+    sync()
+    return {"tokens_per_s": batch * gen_len / (time.perf_counter() - start), "memory_gib": memory}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="gated_deltanet-1.3b")
+def decode_table(presets: list[str], args, rows: list[dict]) -> str:
+    """The decoding table of ttr's models of ``presets``; each measurement is appended to ``rows``."""
+    device = torch.device(args.device)
+    q = sorted({args.gen_len // 4, args.gen_len // 2, args.gen_len})
+    lines = [f"Decoding, bf16 weights, {args.prompt_len}-token prompt, {args.gen_len} generated tokens "
+             "(recurrent kernels); allocated GiB after the given number of generated tokens", "",
+             "| preset | batch | tokens/s | " + " | ".join(f"GiB @ {n}" for n in q) + " |",
+             "|---|---|---|" + "---|" * len(q)]
+    for preset in presets:
+        _free()
+        model = build(preset, "ttr", device).to(dtype=torch.bfloat16).eval()
+        for batch in (int(b) for b in args.decode_batches.split(",")):
+            r = decode_throughput(model, model.config.vocab_size, batch, args.prompt_len, args.gen_len, device)
+            rows.append({"preset": preset, "batch": batch, **r})
+            mem = " | ".join("" if r["memory_gib"][n] is None else f"{r['memory_gib'][n]:.3f}" for n in q)
+            lines.append(f"| {preset} | {batch} | {r['tokens_per_s']:.1f} | {mem} |")
+            print(lines[-1], flush=True)
+        del model
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="bench_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default=None, help=f"comma-separated presets (default: every {SIZE} preset)")
+    parser.add_argument("--references", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run each preset's reference model (default: yes)")
+    parser.add_argument("--loop", choices=LOOPS, default="plain", help="plain user loop (default) or ttr's trainer")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--no-fla", action="store_true", help="skip the fla comparison row")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, autotuning)")
+    parser.add_argument("--isolate", action="store_true", help="each model in its own process")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; models not started by then are listed as skipped")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
-    parser.add_argument("--no-train", action="store_true", help="skip the training rows")
-    parser.add_argument("--no-decode", action="store_true", help="skip the decoding rows")
+    parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                        help="the training table (default: yes)")
+    parser.add_argument("--decode", action=argparse.BooleanOptionalAction, default=False,
+                        help="the decoding table of ttr's models (default: no)")
     parser.add_argument("--decode-batches", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--gen-len", type=int, default=512)
+    parser.add_argument("--tokenizer", default="",
+                        help="--loop trainer: tokenizer path (default: train the embedded BPE)")
+    parser.add_argument("--run-root", default="runs/bench_model", help="--loop trainer: where its runs go")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the code paths only (no measurement)")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    parser.add_argument("--json", help="also write the rows and the environment to this JSON file")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # PRESET:IMPL, a child of --isolate
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("bench_model needs a CUDA GPU")
+    from ttr.models.presets import list_presets
 
-    import triton
+    args.preset_list = args.presets.split(",") if args.presets else default_presets()
+    bad = [p for p in args.preset_list if p not in list_presets()]
+    if bad:
+        parser.error(f"--presets: unknown {bad}; expected some of {list_presets()}")
+    for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("bench_model needs a CUDA GPU (--device cpu runs the code paths only)")
+    return args
 
-    import ttr
-    from ttr.models import get_preset
 
-    lines = [
-        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
-        f"ttr {ttr.__version__}; preset {args.preset}",
-        "",
-    ]
-    cfg = get_preset(args.preset)
-    printed = 0
-    if not args.no_train:
-        lines += [
-            f"Training, B={args.batch} T={args.seq_len}, bf16 autocast, fp32 master weights, AdamW, "
-            f"{args.steps} timed steps after {args.warmup} warm-up",
-            "",
-            "| model | params | tokens/s | peak GiB | loss first -> last |",
-            "|---|---|---|---|---|",
-        ]
-        rows = [("ttr " + args.preset, lambda: build_ttr(args.preset))]
-        note = lift_fla_guard() if args.lift_fla_guard and not args.no_fla else None
-        if not args.no_fla:
-            rows.append(("fla 0.6.0 GatedDeltaNetForCausalLM", lambda: build_fla(cfg)))
-        for name, build in rows:
-            torch.manual_seed(0)
-            try:
-                r = train_throughput(
-                    build(), cfg.vocab_size, args.batch, args.seq_len, args.steps, args.warmup
-                )
-            except Exception as exc:  # a failed row is reported, not fatal (e.g. fla not installed)
-                _reset()
-                lines.append(f"| {name} | - | error: {type(exc).__name__}: {str(exc)[:200]} | - | - |")
-                continue
-            first, last = r["loss_first_last"]
-            lines.append(
-                f"| {name} | {r['params'] / 1e9:.3f}B | {r['tokens_per_s'] / 1e3:.1f}K | {r['peak_gib']:.1f} | "
-                f"{first:.3f} -> {last:.3f} |"
-            )
-        if note:
-            lines += ["", note]
-        print("\n".join(lines), flush=True)
-        printed = len(lines)
-    if not args.no_decode:
-        torch.manual_seed(0)
-        model = build_ttr(args.preset).to(device="cuda", dtype=torch.bfloat16).eval()
-        q = sorted({args.gen_len // 4, args.gen_len // 2, args.gen_len})
-        lines += [
-            "",
-            f"Decoding, bf16 weights, {args.prompt_len}-token prompt, {args.gen_len} generated tokens "
-            "(recurrent kernels); allocated GiB after the given number of generated tokens",
-            "",
-            "| batch | tokens/s | " + " | ".join(f"GiB @ {n}" for n in q) + " |",
-            "|---|---|" + "---|" * len(q),
-        ]
-        for batch in (int(b) for b in args.decode_batches.split(",")):
-            r = decode_throughput(model, cfg.vocab_size, batch, args.prompt_len, args.gen_len)
-            mem = " | ".join(f"{r['memory_gib'][n]:.3f}" for n in q)
-            lines.append(f"| {batch} | {r['tokens_per_s']:.1f} | {mem} |")
-    print("\n".join(lines[printed:]))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    lifted = args.lift_fla_guard and args.references and args.train and lift_fla_guard() is not None
+    if args.one:
+        preset, impl = args.one.split(":")
+        Path(args.result).write_text(json.dumps(measure(preset, impl, args)))
+        return 0
+    env = environment(device)
+    timing = "median step, CUDA events" if device.type == "cuda" else "CPU: code paths only, nothing is measured"
+    header = [describe_environment(env), "",
+              f"Training ({args.loop} loop), B={args.batch} T={args.seq_len}, bf16 autocast, fp32 master weights, "
+              f"AdamW (fused on a GPU), {args.steps} timed steps after {args.warmup} warm-up ({timing})", ""]
+    note = fla_guard_note(lifted) if args.references else None
+    deadline = Deadline(args.time_budget)
+    results: list[dict] = []
+    decoded: list[dict] = []
+    tables = []
+
+    def write(text: str) -> None:
+        data = {"environment": env, "settings": {k: getattr(args, k) for k in (
+            "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard")},
+            "fla_note": note, "rows": results, "decode": decoded}
+        if args.json:
+            Path(args.json).write_text(json.dumps(data, indent=1))
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+
+    if args.train:
+        for preset in args.preset_list:
+            for impl in IMPLS:
+                if impl == "reference" and not args.references:
+                    continue
+                if impl == "reference" and not has_reference(preset, args.loop):
+                    continue
+                if deadline.expired():
+                    row = {"preset": preset, "impl": impl, "status": "skipped"}
+                elif args.isolate:
+                    left = None if deadline.end is None else max(deadline.end - time.monotonic(), 1.0)
+                    row = measure_isolated(preset, impl, args, left)
+                else:
+                    row = measure(preset, impl, args)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                write(format_table(results, header) + ("\n\n" + note if note else ""))
+        tables.append(format_table(results, header) + ("\n\n" + note if note else ""))
+        print("\n" + tables[-1], flush=True)
+    if args.decode:
+        text = decode_table(args.preset_list, args, decoded)
+        tables.append(text if args.train else describe_environment(env) + "\n\n" + text)
+        print("\n" + tables[-1], flush=True)
+    write("\n\n".join(tables))
     return 0
 
 

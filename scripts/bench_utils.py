@@ -1,18 +1,29 @@
 """Helpers shared by the benchmark scripts: timing (CUDA events, median of repeats), peak memory,
-per-stage sweeps, and the opt-in switch that lets fla 0.6.0 run on Hopper with an older Triton."""
+a time budget, the environment a table was measured in, per-stage sweeps, and the opt-in switch
+that lets fla 0.6.0 run on Hopper with an older Triton."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
 
-def time_ms(fn, reps, warmup):
+def time_ms(fn, reps, warmup, device=None):
+    """Median ms of ``reps`` calls of ``fn`` after ``warmup`` calls: CUDA events on a GPU, the host
+    clock on a CPU ``device`` (where the scripts only check that their code paths run)."""
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
+    if on_cpu:
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -24,12 +35,54 @@ def time_ms(fn, reps, warmup):
 
 
 def peak_mib(fn):
+    """MiB that ``fn`` allocates above what was allocated before it (None without CUDA)."""
+    if not torch.cuda.is_available():
+        fn()
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+class Deadline:
+    """A wall-clock budget in seconds (None: none). A benchmark checks it before each measurement
+    and reports the measurements it did not start, so a run cut by its budget still writes its
+    table."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() > self.end
+
+
+def environment(device) -> dict:
+    """Versions and device of a run, for the header of a table and its JSON."""
+    import importlib.metadata as md
+    import platform
+
+    import triton
+
+    import ttr
+
+    env = {"device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
+           "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "ttr": ttr.__version__}
+    for name in ("transformers", "flash-linear-attention"):
+        try:
+            env[name] = md.version(name)
+        except md.PackageNotFoundError:
+            env[name] = None
+    return env
+
+
+def describe_environment(env: dict) -> str:
+    fla = env.get("flash-linear-attention")
+    return (f"{env['device']}, torch {env['torch']}, Triton {env['triton']}, transformers {env['transformers']}, "
+            f"fla {fla or 'not installed'}, ttr {env['ttr']}")
 
 
 def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5) -> list[str]:
@@ -75,10 +128,30 @@ LIFT_FLA_GUARD_HELP = (
 )
 
 
-def lift_fla_guard() -> str:
+def lift_fla_guard() -> str | None:
     """Set fla 0.6.0's private ``TRITON_ABOVE_3_7_1`` flag, which it checks before running a gated
-    backward on Hopper; returns the note that every table timed this way must carry."""
-    import fla.ops.common.chunk_o as chunk_o
+    backward on Hopper; returns the note that every table timed this way must carry, or None where
+    fla does not import (its cells then carry the import error)."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except Exception:
+        return None
 
     chunk_o.TRITON_ABOVE_3_7_1 = True
     return FLA_GUARD_NOTE
+
+
+def fla_guard_note(lifted: bool) -> str | None:
+    """The line a table with fla columns carries about fla's Hopper guard: the timing-only note when
+    it was lifted; where it holds (fla's own test: a Hopper GPU and 3.4 <= Triton < 3.7.1), that fla's
+    gated backward cells are missing and how to time them; else None."""
+    if lifted:
+        return FLA_GUARD_NOTE
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except Exception:  # fla missing, or failing to import: its cells already say so
+        return None
+    if chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1:
+        return ("fla: fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (fla issue #640), so those "
+                "fla cells are empty; --lift-fla-guard runs it anyway, for timing only.")
+    return None

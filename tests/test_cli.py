@@ -29,56 +29,6 @@ def test_package_imported_once_as_ttr():
     assert others == []
 
 
-def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
-    """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
-    measured, kernel table formatted (empty without CUDA)."""
-    from ttr.scripts import bench_kernels
-
-    monkeypatch.setattr(bench_kernels, "TOKENS", 64)
-    monkeypatch.setattr(bench_kernels, "HEADS", 2)
-    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
-    report = bench_kernels.profile(["ssd"], [32], device="cpu", iters=1)
-    head = report.splitlines()[0]
-    assert head.startswith("ssd 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
-    assert float(head.split("host ")[1].split(" ms")[0]) > 0
-    assert "| kernel | launches per call | ms per call |" in report
-
-
-def test_bench_rows_and_stages_are_checked_by_name(capsys):
-    """Every row of the kernel table is one of the script's own; --stages covers the engine's
-    pipelines (not SSD, which runs simple GLA's); an unknown name is a usage error naming --ops."""
-    from ttr.scripts import bench_kernels
-
-    assert list(bench_kernels.rows()) == ["gated_delta", "delta", "gla", "simple_gla", "ssd"]
-    assert set(bench_kernels.SWEEPS) <= set(bench_kernels.STAGE_CALLS) <= set(bench_kernels.rows())
-    for argv in (["--ops", "lstm"], ["--stages", "--ops", "ssd"]):
-        with pytest.raises(SystemExit):
-            bench_kernels.main(argv)
-        assert "--ops: unknown" in capsys.readouterr().err
-
-
-# the benchmark's inputs are bf16, which the interpreter loads as garbage: the closures run, their
-# values are not what this test checks
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
-    """Every stage closure that `ttr bench --stages` times runs (tiny shapes, Triton interpreter)."""
-    import torch
-
-    from ttr.kernels.utils import interpreter_active
-    from ttr.scripts import bench_kernels
-
-    if not interpreter_active():
-        pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
-    monkeypatch.setattr(bench_kernels, "HEADS", 2)
-    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
-    for name, stage_calls in bench_kernels.STAGE_CALLS.items():
-        calls = stage_calls(1, 80, torch.device("cpu"))
-        assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)
-        for fn in calls.values():
-            fn()
-
-
 def test_errors_are_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
     """Every sub-command's errors go through one handler: one line on stderr and an exit status;
     the traceback only with --debug (anywhere before a `--`)."""

@@ -1,0 +1,273 @@
+"""The benchmark scripts on a CPU: argument checks, the shapes derived from the presets, and smoke
+runs of their code paths on debug presets (no measurement). The GPU cases at the end run the real
+shapes where a GPU is present."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttr.models.layers import LAYER_TYPES
+from ttr.models.presets import get_preset, list_presets
+from ttr.scripts import bench_kernels, bench_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
+
+
+def test_every_mixer_has_a_kernel_shape_and_every_1_3b_preset_yields_shapes():
+    assert set(bench_kernels.LAYER_OPS) == set(LAYER_TYPES)
+    assert bench_kernels.default_presets() == PRESETS_1_3B == bench_model.default_presets()
+    for preset in PRESETS_1_3B:
+        shapes = bench_kernels.preset_shapes([preset])
+        config = get_preset(preset)
+        ops = {bench_kernels.LAYER_OPS[t](config).op for t in config.layer_types}
+        assert ops <= {s.op for s in shapes}, preset
+        assert all(preset in s.presets[0] for s in shapes)
+        assert all(s.op in bench_kernels.rows() for s in shapes)
+
+
+def test_preset_shapes_are_the_ones_the_presets_run():
+    """GLA K = 64, V = 128, H = 16; SSD H = 64, P = 64, N = 128, one group (and the N = 64, 8 groups
+    variant); the delta rules 16 heads of 128; SWA window 2048 and full attention, 16 heads of 128."""
+    S = bench_kernels.Shape
+    shapes = {(s.op, s.H, s.K, s.V, s.groups, s.window): s.presets for s in bench_kernels.preset_shapes()}
+    assert set(shapes) == {
+        ("gated_delta", 16, 128, 128, None, None), ("delta", 16, 128, 128, None, None),
+        ("gla", 16, 64, 128, None, None), ("ssd", 64, 128, 64, 1, None), ("ssd", 64, 64, 64, 8, None),
+        ("swa", 16, 128, 128, None, 2048), ("attn", 16, 128, 128, None, None),
+    }
+    assert shapes[("ssd", 64, 128, 64, 1, None)] == ("mamba2-1.3b", "gated_deltanet_h2-1.3b")
+    assert shapes[("gated_delta", 16, 128, 128, None, None)] == (
+        "gated_deltanet-1.3b", "gated_deltanet_h1-1.3b", "gated_deltanet_h2-1.3b")
+    assert shapes[("swa", 16, 128, 128, None, 2048)] == ("gated_deltanet_h1-1.3b", "gated_deltanet_h2-1.3b")
+    assert shapes[("ssd", 64, 64, 64, 8, None)][0].startswith("mamba2-1.3b with mamba_state_size=64")
+    assert S("ssd", 64, 128, 64, groups=1).label() == "H=64 P=64 N=128 G=1"
+    assert S("swa", 16, 128, 128, window=2048).label() == "H=16 D=128 W=2048"
+    # the oracle's small shape keeps dims, window and the heads-per-group ratio
+    assert S("ssd", 64, 64, 64, groups=8).small() == S("ssd", 8, 64, 64, groups=1)
+    assert S("gla", 16, 64, 128).small() == S("gla", 4, 64, 128)
+
+
+def test_plan_keeps_the_uniform_rows():
+    todo = bench_kernels.plan("uniform", None, None, [2048, 16384], 16384)
+    assert [(s.op, B, T) for s, B, T in todo[:2]] == [("gated_delta", 8, 2048), ("gated_delta", 1, 16384)]
+    assert {(s.H, s.K, s.V) for s, _, _ in todo} == {(16, 128, 128)}
+    assert {s.op for s, _, _ in todo} == set(bench_kernels.rows())
+    both = bench_kernels.plan("all", ["ssd"], None, [4096], 16384)
+    assert [(s.K, s.groups, B) for s, B, _ in both] == [(128, 1, 4), (64, 8, 4), (128, 1, 4)]
+
+
+def test_bench_kernels_arguments_are_checked_by_name(capsys):
+    cases = [(["--ops", "lstm"], "--ops: unknown"), (["--stages", "--ops", "ssd"], "--ops: unknown"),
+             (["--presets", "gla-7b"], "--presets: unknown"), (["--seqlens", "4k"], "--seqlens"),
+             (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            bench_kernels.main(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
+    from ttr.__main__ import main
+
+    assert main(["bench", "--dry-run", "--seqlens", "2048,16384", "--ops", "gla,ssd"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "gla H=16 K=64 V=128 8 x 2048: fla chunk_gla; gla-1.3b"
+    assert out[2].startswith("ssd H=64 P=64 N=128 G=1 8 x 2048: fla chunk_simple_gla (B, C expanded); mamba2-1.3b")
+    assert len(out) == 6
+
+
+# bf16 inputs on the torch backend (which computes in fp32): the comparisons hold on a CPU too
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_bench_kernels_smoke_on_cpu(monkeypatch, tmp_path):
+    """The table and JSON of a CPU run: ttr and SDPA cells filled, attention equal to SDPA (the CPU
+    backend is SDPA), the oracle errors small, a JSON row per (shape, T); with no time left every
+    row is listed as skipped."""
+    monkeypatch.setattr(bench_kernels, "ORACLE_T", 32)
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
+    out = tmp_path / "k.json"
+    argv = ["--device", "cpu", "--presets", "gated_deltanet_h2-debug", "--ops", "ssd,swa", "--tokens", "64",
+            "--seqlens", "32", "--json", str(out), "--out", str(tmp_path / "k.md")]
+    assert bench_kernels.main(argv + ["--no-fla"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["groups"], r["B"], r["T"]) for r in rows] == [("ssd", 1, 2, 32), ("ssd", 8, 2, 32),
+                                                                     ("swa", None, 2, 32)]
+    assert all(r["ttr_fwd_ms"] > 0 and r["ttr_fwd_bwd_ms"] > 0 and r["oracle_rel_err"] < 2e-2 for r in rows)
+    assert "ref_fwd_ms" not in rows[0] and rows[2]["rel_err_vs_ref"] == 0.0
+    table = (tmp_path / "k.md").read_text()
+    assert "| swa | SDPA, band mask | H=2 D=32 W=16 | 2 x 32 |" in table
+    assert "- ssd H=8 P=16 N=64 G=8: gated_deltanet_h2-debug with mamba_state_size=64" in table
+    assert bench_kernels.main(argv + ["--time-budget", "0", "--no-oracle"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and all(r["skipped"] for r in rows)
+
+
+def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
+    """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
+    measured, kernel table formatted (empty without CUDA)."""
+    monkeypatch.setattr(bench_kernels, "TOKENS", 64)
+    monkeypatch.setattr(bench_kernels, "HEADS", 2)
+    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
+    report = bench_kernels.profile(["ssd"], [32], device="cpu", iters=1)
+    head = report.splitlines()[0]
+    assert head.startswith("ssd 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
+    assert float(head.split("host ")[1].split(" ms")[0]) > 0
+    assert "| kernel | launches per call | ms per call |" in report
+
+
+def test_bench_rows_and_stages_are_checked_by_name():
+    """Every row of the kernel table is one of the script's own; --stages covers the engine's
+    pipelines (not SSD, which runs simple GLA's)."""
+    assert list(bench_kernels.rows()) == ["gated_delta", "delta", "gla", "simple_gla", "ssd", "swa", "attn"]
+    assert set(bench_kernels.SWEEPS) <= set(bench_kernels.STAGE_CALLS) <= set(bench_kernels.rows())
+
+
+# the benchmark's inputs are bf16, which the interpreter loads as garbage: the closures run, their
+# values are not what this test checks
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
+    """Every stage closure that `ttr bench --stages` times runs (tiny shapes, Triton interpreter)."""
+    from ttr.kernels.utils import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
+    monkeypatch.setattr(bench_kernels, "HEADS", 2)
+    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    for name, stage_calls in bench_kernels.STAGE_CALLS.items():
+        calls = stage_calls(1, 80, torch.device("cpu"))
+        assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)
+        for fn in calls.values():
+            fn()
+
+
+def test_fla_guard_note(monkeypatch):
+    """The note says when fla ran unguarded; without fla, lifting the guard is a no-op, not a crash."""
+    from ttr.scripts import bench_utils
+
+    assert bench_utils.fla_guard_note(True) == bench_utils.FLA_GUARD_NOTE
+    assert "timing only" in bench_utils.FLA_GUARD_NOTE and "#640" in bench_utils.FLA_GUARD_NOTE
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", None)  # as if fla were not installed
+    assert bench_utils.lift_fla_guard() is None and bench_utils.fla_guard_note(False) is None
+
+
+def test_bench_model_arguments_and_references(capsys):
+    for argv, message in ((["--presets", "gla-7b"], "--presets: unknown"), (["--steps", "0"], "--steps"),
+                          (["--loop", "scan"], "--loop")):
+        with pytest.raises(SystemExit):
+            bench_model.parse_args(argv + ["--device", "cpu"])
+        assert message in capsys.readouterr().err, argv
+    args = bench_model.parse_args(["--device", "cpu", "--no-references", "--isolate", "--lift-fla-guard"])
+    assert args.preset_list == PRESETS_1_3B and not args.references and args.isolate
+    assert (args.batch, args.seq_len) == (8, 4096)
+    plain = {p: bench_model.has_reference(p) for p in PRESETS_1_3B}
+    assert plain == {p: not p.startswith("gated_deltanet_h2") for p in PRESETS_1_3B}
+    trainer = [p for p in PRESETS_1_3B if bench_model.has_reference(p, "trainer")]
+    assert trainer == ["gated_deltanet-1.3b", "delta_net-1.3b", "gla-1.3b", "gated_deltanet_h1-1.3b"]
+    # a child of --isolate gets the same settings back
+    child = bench_model.parse_args(bench_model._child_argv(args, "gla-1.3b", "ttr", "r.json"))
+    for key in ("batch", "seq_len", "steps", "warmup", "loop", "device", "lift_fla_guard", "tokenizer"):
+        assert getattr(child, key) == getattr(args, key), key
+    assert (child.one, child.result) == ("gla-1.3b:ttr", "r.json")
+
+
+def test_bench_model_smoke_on_cpu(tmp_path):
+    """Every row of a CPU run (no measurement): ttr and HF Llama side by side with their ratio,
+    h2 without a reference, parameters equal to the reference's, MFU left empty without a GPU."""
+    out = tmp_path / "m.json"
+    assert bench_model.main(["--device", "cpu", "--presets", "transformer-debug,gated_deltanet_h2-debug",
+                             "--batch", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
+                             "--json", str(out), "--out", str(tmp_path / "m.md")]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["preset"], r["impl"]): r for r in data["rows"]}
+    assert list(rows) == [("transformer-debug", "ttr"), ("transformer-debug", "reference"),
+                          ("gated_deltanet_h2-debug", "ttr")]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows.values())
+    mine, ref = rows["transformer-debug", "ttr"], rows["transformer-debug", "reference"]
+    assert (mine["model"], ref["model"]) == ("ttr TTRForCausalLM", "HF LlamaForCausalLM")
+    assert mine["params"] == ref["params"] and mine["flops_per_token"] == ref["flops_per_token"]
+    assert data["settings"]["batch"] == 1
+    table = (tmp_path / "m.md").read_text()
+    ratio = mine["tokens_per_s"] / ref["tokens_per_s"]
+    assert f"| HF LlamaForCausalLM | {ref['tokens_per_s']:,.0f} |  |  | {ratio:.2f} |" in table
+    assert "| gated_deltanet_h2-debug |" in table and "| none |" in table
+    # the decoding table of ttr's model alone
+    assert bench_model.main(["--device", "cpu", "--presets", "gated_deltanet_h2-debug", "--no-train", "--decode",
+                             "--prompt-len", "8", "--gen-len", "4", "--decode-batches", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["decode"]
+    assert row["batch"] == 2 and row["tokens_per_s"] > 0 and list(row["memory_gib"]) == ["1", "2", "4"]
+
+
+def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
+    """Out of memory and a failed subprocess become rows; models past the time budget are skipped."""
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(bench_model, "plain_loop", oom)
+    args = bench_model.parse_args(["--device", "cpu", "--batch", "1", "--seq-len", "8"])
+    row = bench_model.measure("mamba2-debug", "ttr", args)
+    assert row["status"] == "oom" and "64.00 GiB" in row["error"]
+    assert "| out of memory |" in bench_model.format_table([row], [])
+
+    def crashed(*a, **k):
+        return subprocess.CompletedProcess(a, -6, "", "Fatal Python error: Aborted\n")
+
+    monkeypatch.setattr(bench_model.subprocess, "run", crashed)
+    row = bench_model.measure_isolated("gla-debug", "reference", args, timeout=5)
+    assert row == {"preset": "gla-debug", "impl": "reference", "status": "error",
+                   "error": "exit -6: Fatal Python error: Aborted"}
+    out = tmp_path / "m.json"
+    assert bench_model.main(["--device", "cpu", "--presets", "gla-debug", "--time-budget", "0",
+                             "--json", str(out)]) == 0
+    assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["skipped", "skipped"]
+
+
+def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
+    """scripts/device_bench.sh: the commands of each part (DRY_RUN=1), their shares of the budget,
+    and an unknown part refused."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY_RUN": "1"}
+    run = lambda **kw: subprocess.run(["bash", "scripts/device_bench.sh"], cwd=ROOT, capture_output=True,  # noqa: E731
+                                      text=True, env={**env, **kw})
+    out = run().stdout.splitlines()
+    assert out[0].startswith("== kernels (180 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
+                             "2048,4096,8192,16384 --lift-fla-guard --time-budget 150 ")
+    assert out[1].startswith("== model (510 s): ttr.scripts.bench_model --references --lift-fla-guard --batch 8 "
+                             "--seq-len 4096 --steps 4 --warmup 1 --time-budget 450 ")
+    out = run(PARTS="model", PRESETS="gla-1.3b", REFERENCES="0", ISOLATE="1", BUDGET_S="300").stdout
+    assert "bench_model --presets gla-1.3b --no-references --isolate --batch 8" in out
+    bad = run(PARTS="kernels,bogus")
+    assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_bench_kernels_preset_rows_on_gpu(tmp_path):
+    """One preset row per op family on the GPU: ttr and the reference timed, their outputs and
+    gradients close (fla's ungated DeltaNet and SDPA; the gated fla ops may be guarded on Hopper)."""
+    pytest.importorskip("fla")
+    out = tmp_path / "k.json"
+    assert bench_kernels.main(["--presets", "delta_net-1.3b,gated_deltanet_h1-1.3b", "--ops", "delta,swa",
+                               "--seqlens", "4096", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["delta", "swa"]
+    for r in rows:
+        assert r["ttr_fwd_bwd_ms"] > 0 and r["ref_fwd_bwd_ms"] > 0 and r["ttr_peak_mib"] > 0, r
+        assert r["rel_err_vs_ref"] < 2e-2 and r["oracle_rel_err"] < 2e-2, r
+
+
+@pytest.mark.gpu
+def test_bench_model_runs_a_preset_on_gpu(tmp_path):
+    """A 1.3B preset trains in the plain loop on the GPU (short sequences): tokens/s, MFU and peak
+    memory filled in; the isolated child returns the same kind of row."""
+    out = tmp_path / "m.json"
+    argv = ["--presets", "gla-1.3b", "--batch", "1", "--seq-len", "2048", "--steps", "2", "--warmup", "1",
+            "--no-references", "--json", str(out)]
+    assert bench_model.main(argv) == 0
+    assert bench_model.main(argv + ["--isolate", "--json", str(tmp_path / "i.json")]) == 0
+    for path in (out, tmp_path / "i.json"):
+        (row,) = json.loads(path.read_text())["rows"]
+        assert row["status"] == "ok", row
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_gib"] > 1, row
