@@ -282,6 +282,7 @@ def run_case(args, results, label, window, packed, b, t, hq, hkv, d, dtype):
 def summarise(results) -> None:
     """Per case: the fastest exact path (ttr, varlen, SDPA is_causal) and the fastest SDPA backend
     (masked ones included), and auto against that; then the routes the measurements call for."""
+    inf = float("inf")
     cases: dict = {}
     for r in results:
         if "fwd_bwd_ms" in r:
@@ -301,6 +302,8 @@ def summarise(results) -> None:
             for name, ms in causal.items():
                 sdpa_totals[name] = sdpa_totals.get(name, 0.0) + ms
         exact = {p: ms for p, ms in exact.items() if ms is not None}
+        if not exact:
+            continue
         best = min(exact, key=exact.get)
         best_sdpa = min(sdpa.values()) if sdpa else None
         wins.setdefault(kind, []).append(exact)
@@ -309,7 +312,7 @@ def summarise(results) -> None:
               f"{'' if auto is None else f'{auto:.3f}'} | {'' if best_sdpa is None else f'{best_sdpa:.3f}'} | {ratio} |")
     print("\nROUTES the measurements call for (a fused path leads only where it beats triton at every shape):")
     for kind, shapes in wins.items():
-        fused = [p for p in ("sdpa", "varlen") if all(p in s and s[p] < s["triton"] for s in shapes)]
+        fused = [p for p in ("sdpa", "varlen") if all(s.get(p, inf) < s.get("triton", inf) for s in shapes)]
         fused.sort(key=lambda p: sum(s[p] for s in shapes))
         print(f"  {kind}: {tuple(fused + ['triton'])}   (now {dispatch.ROUTES.get(kind)})")
     order = sorted(sdpa_totals, key=sdpa_totals.get)
