@@ -17,12 +17,16 @@ the band are visited, so cost is O(T W) for a window. The visited range splits i
 the band's edges (masked) and blocks wholly inside it (no mask work); see ``_block_ranges``.
 Packed sequences: every tensor is viewed as ``[T_total, H, D]`` and each program reads its
 sequence bounds from ``cu_seqlens``; a plain batch passes none (``VARLEN`` off, bounds ``i T``).
+A packed grid is compact (``COMPACT``, up to ``COMPACT_MAX_SEQS`` sequences): one program per
+block that exists, ``sum_i cdiv(L_i, B)`` per head, rather than ``cdiv(max L, B)`` per sequence,
+which for documents much shorter than the longest one is mostly programs that only exit.
 Head dims up to 256: the block dim ``BD`` is the next power of two and the rest is masked.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -60,6 +64,9 @@ BWD_CONFIGS_WIDE = [
     triton.Config({"BM1": 32, "BN1": 32, "BM2": 64, "BN2": 32}, num_warps=8, num_stages=3),
     triton.Config({"BM1": 16, "BN1": 32, "BM2": 64, "BN2": 32}, num_warps=8, num_stages=2),
 ]
+# Packed grids are compact up to this many sequences (the program map holds one vector of that
+# length); above it, and with 0, every sequence gets cdiv(max_len, B) blocks.
+COMPACT_MAX_SEQS = 1024
 # Under the interpreter (no driver, so no autotune) one small config is launched; BM != BN so
 # the tests exercise block ranges whose edges do not line up.
 INTERPRET_META = {"fwd": {"BM": 64, "BN": 32}, "bwd": {"BM1": 32, "BN1": 64, "BM2": 64, "BN2": 32}}
@@ -101,6 +108,50 @@ def _program(pid, n_programs, NH, GH: tl.constexpr):
     r = pid - grp * (GH * nb)
     gh = tl.minimum(GH, NH - grp * GH)
     return r // gh, grp * GH + r % gh
+
+
+@triton.jit
+def _packed_blocks(cu_seqlens, N, B: tl.constexpr, NP: tl.constexpr):
+    """First token, length and block count ``cdiv(L, B)`` of each of the N <= NP packed
+    sequences, as ``[NP]`` vectors (zero past N)."""
+    o_i = tl.arange(0, NP)
+    m_i = o_i < N
+    b_bos = tl.load(cu_seqlens + o_i, mask=m_i, other=0)
+    b_len = tl.load(cu_seqlens + o_i + 1, mask=m_i, other=0) - b_bos
+    return b_bos, b_len, (b_len + B - 1) // B
+
+
+@triton.jit
+def _work(pid, n_programs, cu_seqlens, N, max_len, H: tl.constexpr, B: tl.constexpr, GH: tl.constexpr,
+          NP: tl.constexpr, VARLEN: tl.constexpr, COMPACT: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(sequence, head, block index, first token, length) of program ``pid`` over blocks of B.
+
+    ``LAST_FIRST``: a sequence's last block has the most work (query blocks), else its first
+    (key blocks). Plain batches and padded packed grids: ``_program`` over the N * H rows of
+    ``cdiv(max_len, B)`` blocks each. Compact packed grid (``COMPACT``): sequence by sequence, each
+    sequence's blocks from the most work to the least, the H heads of a block next to each other.
+    """
+    if COMPACT:
+        item = pid // H
+        i_h = pid % H
+        b_bos, b_len, b_nb = _packed_blocks(cu_seqlens, N, B, NP)
+        b_end = tl.cumsum(b_nb, 0)  # [NP] blocks up to the end of each sequence
+        i_n = tl.sum((b_end <= item).to(tl.int32))
+        m_n = tl.arange(0, NP) == i_n
+        nb = tl.sum(tl.where(m_n, b_nb, 0))
+        rank = item - tl.sum(tl.where(m_n, b_end, 0)) + nb
+        bos = tl.sum(tl.where(m_n, b_bos, 0))
+        L = tl.sum(tl.where(m_n, b_len, 0))
+    else:
+        rank, i_nh = _program(pid, n_programs, N * H, GH)
+        nb = n_programs // (N * H)
+        i_n, i_h = i_nh // H, i_nh % H
+        bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
+    if LAST_FIRST:
+        i_b = nb - 1 - rank
+    else:
+        i_b = rank
+    return i_n, i_h, i_b, bos, L
 
 
 @triton.jit
@@ -166,14 +217,14 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k, p_v, o_m, o_d, j_lo, j_hi, L, W, strid
 
 @_autotune(FWD_CONFIGS, FWD_CONFIGS_WIDE)
 @triton.jit
-def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, max_len, W, qk_scale, NH,
+def attn_fwd_kernel(q, k, v, o, lse, cu_seqlens, T_total, max_len, W, qk_scale, N,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
-    rank, i_nh = _program(tl.program_id(0), tl.num_programs(0), NH, GH)
-    i_m = tl.num_programs(0) // NH - 1 - rank  # the last query block sees the most keys
-    i_n, i_hq = i_nh // HQ, i_nh % HQ
+                    BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, NP: tl.constexpr,
+                    VARLEN: tl.constexpr, COMPACT: tl.constexpr):
+    # the last query block sees the most keys
+    _, i_hq, i_m, bos, L = _work(tl.program_id(0), tl.num_programs(0), cu_seqlens, N, max_len, HQ, BM, GH, NP,
+                                 VARLEN, COMPACT, True)
     i_hk = i_hq // G
-    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -267,12 +318,12 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, o_n, o_d, j_lo,
 
 @triton.jit
 def _dkdv_program(pid, n_programs, q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale,
-                  scale, NH, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
-    i_j, i_nh = _program(pid, n_programs, NH, GH)  # the first key block is seen by the most queries
-    HK = HQ // G
-    i_n, i_hk = i_nh // HK, i_nh % HK
-    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
+                  scale, N, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, GH: tl.constexpr, NP: tl.constexpr, VARLEN: tl.constexpr,
+                  COMPACT: tl.constexpr):
+    HK: tl.constexpr = HQ // G
+    # the first key block is seen by the most queries
+    _, i_hk, i_j, bos, L = _work(pid, n_programs, cu_seqlens, N, max_len, HK, BN, GH, NP, VARLEN, COMPACT, False)
     n0 = i_j * BN
     if n0 >= L:
         return
@@ -339,13 +390,10 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, o_m, o_d, j_lo, j_hi, L
 
 @triton.jit
 def _dq_program(pid, n_programs, q, k, v, do, lse, delta, dq, cu_seqlens, T_total, max_len, W, qk_scale, scale,
-                NH, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, GH: tl.constexpr, VARLEN: tl.constexpr):
-    rank, i_nh = _program(pid, n_programs, NH, GH)
-    i_m = n_programs // NH - 1 - rank
-    i_n, i_hq = i_nh // HQ, i_nh % HQ
+                N, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, GH: tl.constexpr, NP: tl.constexpr, VARLEN: tl.constexpr, COMPACT: tl.constexpr):
+    _, i_hq, i_m, bos, L = _work(pid, n_programs, cu_seqlens, N, max_len, HQ, BM, GH, NP, VARLEN, COMPACT, True)
     i_hk = i_hq // G
-    bos, L = _bounds(cu_seqlens, i_n, max_len, VARLEN)
     m0 = i_m * BM
     if m0 >= L:
         return
@@ -378,18 +426,22 @@ def _dq_program(pid, n_programs, q, k, v, do, lse, delta, dq, cu_seqlens, T_tota
 def attn_bwd_kernel(q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale, scale, N,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM1: tl.constexpr,
                     BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr, GH: tl.constexpr,
-                    VARLEN: tl.constexpr):
-    """The whole backward in one launch: the first ``cdiv(max_len, BN1) * N * Hkv`` programs are
-    dK/dV programs (longest first within their groups), the rest dQ programs, so dQ work fills the
-    SMs that the dK/dV programs' tail leaves idle."""
+                    NP: tl.constexpr, VARLEN: tl.constexpr, COMPACT: tl.constexpr):
+    """The whole backward in one launch: the first programs, one per key block of BN1 and k/v head,
+    are dK/dV programs (longest first), the rest dQ programs, so dQ work fills the SMs that the
+    dK/dV programs' tail leaves idle."""
     pid = tl.program_id(0)
-    n_kv = tl.cdiv(max_len, BN1) * N * (HQ // G)
+    if COMPACT:
+        _, _, b_nb = _packed_blocks(cu_seqlens, N, BN1, NP)
+        n_kv = tl.sum(b_nb) * (HQ // G)
+    else:
+        n_kv = tl.cdiv(max_len, BN1) * N * (HQ // G)
     if pid < n_kv:
         _dkdv_program(pid, n_kv, q, k, v, do, lse, delta, dk, dv, cu_seqlens, T_total, max_len, W, qk_scale,
-                      scale, N * (HQ // G), HQ, G, D, BD, BM1, BN1, GH, VARLEN)
+                      scale, N, HQ, G, D, BD, BM1, BN1, GH, NP, VARLEN, COMPACT)
     else:
         _dq_program(pid - n_kv, tl.num_programs(0) - n_kv, q, k, v, do, lse, delta, dq, cu_seqlens, T_total,
-                    max_len, W, qk_scale, scale, N * HQ, HQ, G, D, BD, BM2, BN2, GH, VARLEN)
+                    max_len, W, qk_scale, scale, N, HQ, G, D, BD, BM2, BN2, GH, NP, VARLEN, COMPACT)
 
 
 # (kernel name, block head dim, dtype) -> the Config the autotuner chose; later calls launch the
@@ -420,20 +472,54 @@ def _launch(kernel, name, grid, *args, **consts):
                          f"registers in the {name} kernel ({err}); use D <= 128 or the torch backend") from err
 
 
-def attention_fwd(q, k, v, cu_seqlens, n, max_len, window, scale):
-    """q ``[T_total, Hq, D]``, k/v ``[T_total, Hkv, D]`` contiguous, ``n`` sequences (bounds in
-    ``cu_seqlens``, or ``max_len`` tokens each when it is None) -> (o, lse ``[Hq, T_total]`` fp32)."""
+class SequencePlan(NamedTuple):
+    """The sequences of a call: ``cu`` int32 bounds on the device (None for a plain batch of
+    ``n`` sequences of ``max_len``), ``lengths`` int64 on the host (packed only)."""
+
+    cu: torch.Tensor | None
+    n: int
+    max_len: int
+    lengths: torch.Tensor | None
+
+    @property
+    def compact(self) -> bool:
+        return self.lengths is not None and 0 < self.n <= COMPACT_MAX_SEQS
+
+    def blocks(self, size: int) -> int:
+        """Programs per head of a grid over blocks of ``size``."""
+        if self.compact:
+            return int(((self.lengths + size - 1) // size).sum())
+        return triton.cdiv(self.max_len, size) * self.n
+
+    def consts(self) -> dict:
+        np_ = max(16, triton.next_power_of_2(self.n)) if self.compact else 16
+        return dict(NP=np_, VARLEN=self.cu is not None, COMPACT=self.compact)
+
+
+def sequence_plan(q, cu_seqlens) -> SequencePlan:
+    """The ``SequencePlan`` of q ``[B, T, ...]`` and ``cu_seqlens`` (one host copy of the bounds,
+    which waits for the GPU when they live there)."""
+    b, t = q.shape[:2]
+    if cu_seqlens is None:
+        return SequencePlan(None, b, t, None)
+    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    return SequencePlan(cu, lengths.numel(), int(lengths.max()) if lengths.numel() else 0, lengths)
+
+
+def attention_fwd(q, k, v, plan, window, scale):
+    """q ``[T_total, Hq, D]``, k/v ``[T_total, Hkv, D]`` contiguous, sequences of ``plan``
+    -> (o, lse ``[Hq, T_total]`` fp32)."""
     t_total, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(hq, t_total, device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(max_len, meta["BM"]) * n * hq,)
-    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, cu_seqlens, t_total, max_len, window, scale * LOG2E,
-            n * hq, HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS,
-            VARLEN=cu_seqlens is not None)
+    grid = lambda meta: (plan.blocks(meta["BM"]) * hq,)
+    _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, plan.cu, t_total, plan.max_len, window, scale * LOG2E,
+            plan.n, HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS, **plan.consts())
     return o, lse
 
 
-def attention_bwd(q, k, v, o, lse, do, cu_seqlens, n, max_len, window, scale):
+def attention_bwd(q, k, v, o, lse, do, plan, window, scale):
     t_total, hq, d = q.shape
     hkv = k.shape[1]
     bd = triton.next_power_of_2(d)
@@ -441,45 +527,40 @@ def attention_bwd(q, k, v, o, lse, do, cu_seqlens, n, max_len, window, scale):
     bt = max(16, 4096 // bd)
     attn_bwd_delta_kernel[(triton.cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    grid = lambda meta: (triton.cdiv(max_len, meta["BN1"]) * n * hkv + triton.cdiv(max_len, meta["BM2"]) * n * hq,)
-    _launch(attn_bwd_kernel, "bwd", grid, q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, t_total, max_len,
-            window, scale * LOG2E, scale, n, HQ=hq, G=hq // hkv, D=d, BD=bd, GH=GROUP_HEADS,
-            VARLEN=cu_seqlens is not None)
+    grid = lambda meta: (plan.blocks(meta["BN1"]) * hkv + plan.blocks(meta["BM2"]) * hq,)
+    _launch(attn_bwd_kernel, "bwd", grid, q, k, v, do, lse, delta, dq, dk, dv, plan.cu, t_total, plan.max_len,
+            window, scale * LOG2E, scale, plan.n, HQ=hq, G=hq // hkv, D=d, BD=bd, GH=GROUP_HEADS, **plan.consts())
     return dq, dk, dv
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, n, max_len, window, scale):
-        o, lse = attention_fwd(q, k, v, cu_seqlens, n, max_len, window, scale)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.n, ctx.max_len, ctx.window, ctx.scale = n, max_len, window, scale
+    def forward(ctx, q, k, v, plan, window, scale):
+        o, lse = attention_fwd(q, k, v, plan, window, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan, ctx.window, ctx.scale = plan, window, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.n, ctx.max_len, ctx.window,
-                                   ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do.contiguous(), ctx.plan, ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
-def triton_attention(q, k, v, *, window, scale, cu_seqlens):
-    """Triton path for validated inputs (see ``ttr.kernels.attention.attention``)."""
+def triton_attention(q, k, v, *, window, scale, cu_seqlens, plan=None):
+    """Triton path for validated inputs (see ``ttr.kernels.attention.attention``); ``plan`` is
+    ``sequence_plan(q, cu_seqlens)`` where the caller has it already."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q dtype {q.dtype} is not supported by the Triton backend; expected one of "
                         f"{SUPPORTED_DTYPES} (use TTR_KERNEL_BACKEND=torch for float64)")
     b, t, hq, d = q.shape
     if b == 0 or t == 0:
         return torch.zeros_like(q)
-    if cu_seqlens is None:  # a plain batch: the kernels derive every sequence's bounds from t
-        cu, n, max_len = None, b, t
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-        n, max_len = cu.numel() - 1, int((cu[1:] - cu[:-1]).max())
-    if max_len == 0:
+    plan = sequence_plan(q, cu_seqlens) if plan is None else plan
+    if plan.max_len == 0:
         return torch.zeros_like(q)
-    win = max_len if window is None else min(window, max_len)
+    win = plan.max_len if window is None else min(window, plan.max_len)
     flat = lambda x: x.reshape(b * t, x.shape[2], d).contiguous()
-    o = FlashAttentionFunction.apply(flat(q), flat(k), flat(v), cu, n, max_len, win, scale)
+    o = FlashAttentionFunction.apply(flat(q), flat(k), flat(v), plan, win, scale)
     return o.view(b, t, hq, d)

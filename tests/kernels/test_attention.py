@@ -81,9 +81,28 @@ def test_triton_rows_beyond_one_program_group(triton_backend, window):
     "lengths,window",
     [([1, 63, 64, 130], None), ([130, 0, 1, 64, 63], 16), ([64, 1, 130, 63], 64), ([63, 1, 64], 1)],
 )
-def test_triton_packed_documents(triton_backend, lengths, window):
+@pytest.mark.parametrize("compact", [True, False])
+def test_triton_packed_documents(triton_backend, monkeypatch, lengths, window, compact):
+    """Packed grids both ways: compact (one program per existing block) and padded
+    (``flash.COMPACT_MAX_SEQS = 0``: cdiv(max L, B) blocks per sequence, the extra ones exit)."""
+    from ttr.kernels.attention import flash
+
+    if not compact:
+        monkeypatch.setattr(flash, "COMPACT_MAX_SEQS", 0)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = make_inputs(1, sum(lengths), 4, 2, 32)
+    check_against_oracles(q, k, v, window=window, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_triton_many_packed_documents(triton_backend, window):
+    """More sequences than the program map's smallest vector (16), empty ones among them: the
+    compact grid still gives every block of every sequence and head exactly one program."""
+    lengths = torch.randint(0, 20, (19,)).tolist()
+    lengths[3] = lengths[12] = 0
+    lengths[15] = 70
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v = make_inputs(1, sum(lengths), 2, 1, 16)
     check_against_oracles(q, k, v, window=window, cu_seqlens=cu)
 
 
@@ -215,7 +234,7 @@ def test_configs_fit_hopper_shared_memory(d):
     p = "*bf16"
     sig = {"q": p, "k": p, "v": p, "o": p, "do": p, "dq": p, "dk": p, "dv": p, "lse": "*fp32", "delta": "*fp32",
            "cu_seqlens": "*i32", "T_total": "i32", "max_len": "i32", "W": "i32", "qk_scale": "fp32", "scale": "fp32",
-           "NH": "i32", "N": "i32"}
+           "N": "i32"}
     try:  # the ptxas Triton itself uses for sm_90
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -233,7 +252,8 @@ def test_configs_fit_hopper_shared_memory(d):
     for (kernel, configs), g, varlen in itertools.product(kernels, (1, 2), (False, True)):
         fn = kernel.fn
         for config in configs:
-            consts = {"HQ": 8, "G": g, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "VARLEN": varlen, **config.kwargs}
+            consts = {"HQ": 8, "G": g, "D": d, "BD": d, "GH": flash.GROUP_HEADS, "NP": 32, "VARLEN": varlen,
+                  "COMPACT": varlen, **config.kwargs}
             signature = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
             src = ASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(n),): val for n, val in consts.items()},
