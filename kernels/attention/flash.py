@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ttr.kernels.common.index import prepare_packing
 from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 
 LOG2E = math.log2(math.e)
@@ -475,8 +476,8 @@ def triton_attention(q, k, v, *, window, scale, cu_seqlens):
     if cu_seqlens is None:  # a plain batch: the kernels derive every sequence's bounds from t
         cu, n, max_len = None, b, t
     else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-        n, max_len = cu.numel() - 1, int((cu[1:] - cu[:-1]).max())
+        packing = prepare_packing(cu_seqlens, t, device=q.device)
+        cu, n, max_len = packing.cu_seqlens, packing.num_seqs, packing.max_len
     if max_len == 0:
         return torch.zeros_like(q)
     win = max_len if window is None else min(window, max_len)
