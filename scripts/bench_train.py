@@ -58,7 +58,8 @@ class FlaAdapter(torch.nn.Module):
         self.config = None  # the bench computes MFU itself
 
     def forward(self, input_ids, labels, cu_seqlens, num_items_in_batch, use_cache=False, return_logits=None):
-        return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False,
+        # the trainer passes ttr's Packing; fla takes the offsets tensor
+        return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens.cu_seqlens, use_cache=False,
                           num_items_in_batch=num_items_in_batch)
 
 
