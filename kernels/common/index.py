@@ -137,11 +137,17 @@ def _build_packing(host: torch.Tensor, device, chunk_size: int) -> Packing:
     docs = torch.arange(n)
     seq = docs.repeat_interleave(counts, output_size=num_chunks)
     chunk_indices = torch.stack([seq, torch.arange(num_chunks) - offsets[seq]], 1)
-    buf = torch.cat([host, offsets, chunk_indices.flatten(), docs.repeat_interleave(lens, output_size=seqlen)])
-    buf = buf.to(torch.int32)
-    if device.type == "cuda":
-        buf = buf.pin_memory()
-    cu, offsets_d, indices_d, seq_ids = buf.to(device, non_blocking=True).split([n + 1, n + 1, 2 * num_chunks, seqlen])
+    parts = [host, offsets, chunk_indices.flatten(), docs.repeat_interleave(lens, output_size=seqlen)]
+    # Each part starts on a 16-byte boundary, as a tensor of its own would: Triton specialises a
+    # kernel on the alignment of its pointers, so views at other offsets would compile variants.
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + -(-part.numel() // 4) * 4)
+    buf = torch.zeros(starts[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+    for part, start in zip(parts, starts):
+        buf[start : start + part.numel()] = part
+    buf = buf.to(device, non_blocking=True)
+    cu, offsets_d, indices_d, seq_ids = (buf[start : start + p.numel()] for p, start in zip(parts, starts))
     plan = ChunkPlan(cu, indices_d.view(num_chunks, 2), offsets_d, n, num_chunks, chunk_size)
     return Packing(cu, seq_ids, plan, tuple(host.tolist()), int(lens.max()))
 

@@ -61,6 +61,8 @@ def test_prepare_packing_indexes_the_documents(cu, dtype):
     assert p.plan.chunk_indices.tolist() == indices and p.plan.chunk_offsets.tolist() == offsets
     assert (p.plan.num_seqs, p.plan.num_chunks, p.plan.chunk_size) == (len(cu) - 1, offsets[-1], 64)
     assert p.plan.cu_seqlens is p.cu_seqlens
+    # every index starts 16-byte aligned, as Triton's pointer specialisation sees separate tensors
+    assert all(x.data_ptr() % 16 == 0 for x in (p.cu_seqlens, p.seq_ids, *p.plan[1:3]))
     # a Packing passes through as it is: same device, same plan
     assert prepare_packing(p, cu[-1]) is p and p.to("cpu") is p
     assert prepare_chunks(p, 1, cu[-1], device="cpu") is p.plan
