@@ -25,7 +25,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_cu_seqlens, check_dtype, check_rank, interpreter_active, kernel_backend
+from ttr.kernels.common.index import prepare_packing, segments
+from ttr.kernels.utils import (
+    check_cu_seqlens,
+    check_dtype,
+    check_rank,
+    interpreter_active,
+    kernel_backend,
+    on_input_device,
+)
 
 ACTIVATIONS = (None, "silu")
 
@@ -282,19 +290,15 @@ def _blocks(t: int, d: int, backward: bool) -> tuple[int, int]:
     return (32 if backward else 64), min(128, triton.next_power_of_2(d))
 
 
-def _varlen_meta(cu_seqlens, t: int, device):
-    """Per-token sequence id (int32 [T]) and cu_seqlens as int32, or (None, None) when not packed."""
-    if cu_seqlens is None:
-        return None, None
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    tok = torch.arange(t, device=device, dtype=torch.int32)
-    return torch.searchsorted(cu[1:], tok, right=True).to(torch.int32), cu
+def _varlen_meta(packing):
+    """Per-token sequence id (int32 [T]) and cu_seqlens (int32), or (None, None) when not packed."""
+    return (None, None) if packing is None else (packing.seq_ids, packing.cu_seqlens)
 
 
-def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
+def _triton_conv_fwd(x, weight, bias, init, activation, packing):
     b, t, d = x.shape
     w = weight.shape[1]
-    seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
+    seq_idx, cu = _varlen_meta(packing)
     y = torch.empty_like(x)
     bt, bd = _blocks(t, d, backward=False)
     grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
@@ -308,10 +312,10 @@ def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
     return y
 
 
-def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
+def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
     b, t, d = x.shape
     w = weight.shape[1]
-    seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
+    seq_idx, cu = _varlen_meta(packing)
     if activation == "silu" and t:
         # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
         # shifts instead of recomputing the pre-activation (and its sigmoid) at every shift
@@ -340,20 +344,20 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             IS_VARLEN=cu is not None, BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
-        dinit += _dfinal_to_init(dfinal.float(), cu_seqlens, t, w)
+        dinit += _dfinal_to_init(dfinal.float(), packing, t, w)
     dw = dw.sum(0).t().to(weight.dtype)
     db = db.sum(0).to(bias.dtype) if db is not None else None
     return dx, dw, db, dinit.to(init.dtype) if dinit is not None else None
 
 
-def _dfinal_to_init(dfinal, cu_seqlens, t: int, w: int):
+def _dfinal_to_init(dfinal, packing, t: int, w: int):
     """Grad of the final state w.r.t. the initial state: slot k of a sequence of length L < W-1
     survives into final slot k - L."""
     n = dfinal.shape[0]
-    if cu_seqlens is None:
+    if packing is None:
         lens = torch.full((n,), t, device=dfinal.device, dtype=torch.long)
     else:
-        cu = cu_seqlens.to(device=dfinal.device, dtype=torch.long)
+        cu = packing.cu_seqlens.long()
         lens = cu[1:] - cu[:-1]
     k = torch.arange(w - 1, device=dfinal.device)
     src = k[None] - lens[:, None]  # [N, W-1]
@@ -363,47 +367,47 @@ def _dfinal_to_init(dfinal, cu_seqlens, t: int, w: int):
 
 class _CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, activation):
+    def forward(ctx, x, weight, bias, initial_state, packing, activation):
         x, weight = x.contiguous(), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
-        y = _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens)
-        final = _final_state(x, init, cu_seqlens, weight.shape[1])
-        ctx.save_for_backward(x, weight, bias, init, cu_seqlens)
-        ctx.activation = activation
+        y = _triton_conv_fwd(x, weight, bias, init, activation, packing)
+        final = _final_state(x, init, packing, weight.shape[1])
+        ctx.save_for_backward(x, weight, bias, init)
+        ctx.packing, ctx.activation = packing, activation
         ctx.set_materialize_grads(False)
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, weight, bias, init, cu_seqlens = ctx.saved_tensors
+        x, weight, bias, init = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = dfinal.contiguous() if dfinal is not None else None
         dx, dw, db, dinit = _triton_conv_bwd(
-            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, cu_seqlens
+            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing
         )
         return dx, dw, db, dinit, None, None
-
-
-def _seq_bounds(cu_seqlens, b: int, t: int) -> list[tuple[int, int, int]]:
-    """(batch row, start, end) of every sequence, in state order."""
-    if cu_seqlens is None:
-        return [(i, 0, t) for i in range(b)]
-    cu = cu_seqlens.tolist()
-    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
 
 
 def reference_causal_conv1d(
     x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False
 ):
-    """Per-token oracle: loops over sequences and tokens; computes in x's dtype promoted to fp32."""
+    """Per-token oracle: loops over sequences and tokens; computes in x's dtype promoted to fp32.
+
+    Args:
+        x, weight, bias, activation, cu_seqlens, initial_state, output_final_state: as in
+            ``causal_conv1d``.
+
+    Returns:
+        ``(y [B, T, D] in x's dtype, final_state [N, D, W-1] in x's dtype or None)``; differentiable.
+    """
     _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
     b, t, d = x.shape
     w = weight.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
     y = torch.zeros(b, t, d, dtype=dt, device=x.device)
     final = []
-    for i_n, (i_b, bos, eos) in enumerate(_seq_bounds(cu_seqlens, b, t)):
+    for i_n, (i_b, bos, eos) in enumerate(segments(cu_seqlens, b, t)):
         if initial_state is not None:
             past = initial_state[i_n].to(dt).transpose(0, 1)
         else:
@@ -426,27 +430,25 @@ def reference_causal_conv1d(
     return y, torch.stack(final).to(x.dtype)
 
 
-def _shift_index(cu_seqlens, b: int, t: int, device):
+def _shift_index(packing, b: int, t: int, device):
     """For the packed/batched layout, position of every token inside its sequence and its sequence id."""
-    if cu_seqlens is None:
+    if packing is None:
         pos = torch.arange(t, device=device).expand(b, t)
         seq = torch.arange(b, device=device)[:, None].expand(b, t)
         return pos, seq
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    tok = torch.arange(t, device=device)
-    seq = torch.searchsorted(cu[1:], tok, right=True)[None]  # [1, T]
-    pos = tok[None] - cu[seq]  # [1, T]
+    seq = packing.seq_ids.long()[None]  # [1, T]
+    pos = torch.arange(t, device=device)[None] - packing.cu_seqlens.long()[seq]  # [1, T]
     return pos, seq
 
 
-def _torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state):
+def _torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state):
     """Vectorised torch version (autograd through gathers)."""
     b, t, d = x.shape
     w = weight.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
     wf = weight.to(dt)
-    pos, seq = _shift_index(cu_seqlens, b, t, x.device)
+    pos, seq = _shift_index(packing, b, t, x.device)
     flat = xf.reshape(b * t, d)
     row = torch.arange(b, device=x.device)[:, None] * t + torch.arange(t, device=x.device)[None]  # [B, T]
     acc = xf * wf[:, w - 1]
@@ -466,19 +468,19 @@ def _torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state,
     y = acc.to(x.dtype)
     if not output_final_state:
         return y, None
-    return y, _final_state(x, initial_state, cu_seqlens, w)
+    return y, _final_state(x, initial_state, packing, w)
 
 
-def _final_state(x, initial_state, cu_seqlens, w: int) -> torch.Tensor:
+def _final_state(x, initial_state, packing, w: int) -> torch.Tensor:
     """Last W-1 entries of concat(initial_state, x_seq) per sequence, in x's dtype."""
     b, t, d = x.shape
-    n = b if cu_seqlens is None else cu_seqlens.numel() - 1
-    if cu_seqlens is None:
+    n = b if packing is None else packing.num_seqs
+    if packing is None:
         ends = torch.full((n,), t, device=x.device, dtype=torch.long)
         lens = ends.clone()
         rows = torch.arange(n, device=x.device)
     else:
-        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        cu = packing.cu_seqlens.long()
         ends, lens = cu[1:], cu[1:] - cu[:-1]
         rows = torch.zeros(n, dtype=torch.long, device=x.device)
     j = torch.arange(w - 1, device=x.device)  # state slot j holds the input at offset j - (W-1) from the end
@@ -494,19 +496,33 @@ def _final_state(x, initial_state, cu_seqlens, w: int) -> torch.Tensor:
     return torch.where(inside[..., None], from_x, from_init).transpose(1, 2).contiguous()
 
 
+@on_input_device
 def causal_conv1d(
     x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False
 ):
-    """Causal depthwise conv over time; returns ``(y [B, T, D], final_state [N, D, W-1] | None)``.
+    """Causal depthwise convolution over time (see the module docstring for the formula).
 
-    Dispatches on ``kernel_backend(x)``.
+    Args:
+        x: ``[B, T, D]`` inputs (fp32, fp16 or bf16; float64 on the torch backend).
+        weight: ``[D, W]`` taps, W in 2..4; the last tap multiplies the current token.
+        bias: ``[D]`` or None.
+        activation: None or ``"silu"``, applied after the bias.
+        cu_seqlens: ``[N + 1]`` int32/int64 document offsets for packed input (B must be 1; no tap
+            crosses a document start), or a ``Packing`` from ``prepare_packing`` (no host copy).
+        initial_state: ``[N, D, W-1]``: the W-1 inputs before each sequence, oldest first; None
+            reads zeros there.
+        output_final_state: also return each sequence's last W-1 inputs (its next initial state).
+
+    Returns:
+        ``(y, final_state)``: y ``[B, T, D]`` in x's dtype; final_state ``[N, D, W-1]`` in x's dtype,
+        or None without ``output_final_state``. Gradients flow to x, weight, bias and
+        initial_state.
     """
     _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, x.shape[1], device=x.device)
     if kernel_backend(x) == "torch":
-        return _torch_causal_conv1d(
-            x, weight, bias, activation, cu_seqlens, initial_state, output_final_state
-        )
-    y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, cu_seqlens, activation)
+        return _torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state)
+    y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, packing, activation)
     return y, final if output_final_state else None
 
 
@@ -542,12 +558,21 @@ def _torch_causal_conv1d_update(x, conv_state, weight, bias, activation):
     return acc.to(x.dtype), window[..., 1:].to(conv_state.dtype)
 
 
+@on_input_device
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None):
-    """One decoding step: ``x [B, D]``, ``conv_state [B, D, W-1]`` -> ``(y [B, D], new_conv_state)``.
+    """One decoding step of ``causal_conv1d``: one token against the last W-1 inputs.
 
-    The new state has conv_state's dtype; the input state is not modified. The Triton kernel is
-    forward-only (decoding); when a gradient is needed the torch implementation runs instead
-    (same fp32 arithmetic).
+    The Triton kernel is forward-only (decoding); when a gradient is needed the torch
+    implementation runs instead (same fp32 arithmetic).
+
+    Args:
+        x: ``[B, D]``, the new token of each sequence.
+        conv_state: ``[B, D, W-1]``, the W-1 inputs before it, oldest first; not modified.
+        weight, bias, activation: as in ``causal_conv1d``.
+
+    Returns:
+        ``(y [B, D] in x's dtype, new_conv_state [B, D, W-1] in conv_state's dtype)``, the state
+        shifted by one token.
     """
     _check_update(x, conv_state, weight, bias, activation)
     needs_grad = torch.is_grad_enabled() and any(

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, kernel_backend
+from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
 REDUCTIONS = ("mean", "sum")
 
@@ -111,10 +111,11 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         v = weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_grad = need_h or need_w or need_b
-        n_valid = int((labels != ignore_index).sum())
-        scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
         ce_chunk = _triton_ce_chunk if backend == "triton" else _torch_ce_chunk
         acc_dt = torch.promote_types(hidden.dtype, torch.float32)
+        scale = 1.0
+        if reduction == "mean":  # a tensor: reading the count on the host would wait for the GPU
+            scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(acc_dt)
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(v, d, dtype=acc_dt, device=hidden.device) if need_w else None
         db = torch.zeros(v, dtype=acc_dt, device=hidden.device) if need_b else None
@@ -187,8 +188,14 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size) ->
             raise ValueError(f"{name} is on {other.device} but hidden is on {hidden.device}")
     v = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
-    if bool(bad.any()):
-        raise ValueError(f"labels must lie in [0, V={v}) or equal ignore_index={ignore_index}")
+    message = f"labels must lie in [0, V={v}) or equal ignore_index={ignore_index}"
+    if labels.is_cuda:
+        # Reading the answer on the host would wait for the GPU at every training step; the
+        # device-side assert fails the run at its next synchronisation instead, as torch's own
+        # cross-entropy does with such labels.
+        torch._assert_async(~bad.any(), message)
+    elif bool(bad.any()):
+        raise ValueError(message)
 
 
 def reference_linear_cross_entropy(
@@ -196,7 +203,12 @@ def reference_linear_cross_entropy(
 ):
     """Oracle: full logits in fp32 (fp64 for fp64 inputs) and a per-row logsumexp.
 
-    ``chunk_size`` is accepted for signature parity and has no effect here.
+    Args:
+        hidden, weight, labels, bias, ignore_index, reduction: as in ``linear_cross_entropy``.
+        chunk_size: accepted for signature parity; no effect here.
+
+    Returns:
+        The scalar loss (fp32; fp64 for fp64 inputs); differentiable.
     """
     _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size)
     dt = torch.promote_types(hidden.dtype, torch.float32)
@@ -212,15 +224,29 @@ def reference_linear_cross_entropy(
     return total / valid.sum().clamp_min(1)
 
 
+@on_input_device
 def linear_cross_entropy(
     hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean", chunk_size=None
 ):
-    """Cross-entropy of ``hidden [N, D] @ weight[V, D]^T (+ bias [V])`` against ``labels [N]``.
+    """Cross-entropy of the logits ``hidden @ weight^T (+ bias)`` against ``labels``, chunked over tokens.
 
-    Returns a scalar (fp32; fp64 for fp64 inputs). ``reduction`` "mean" averages over the
-    non-ignored tokens, "sum" adds them. ``chunk_size`` tokens per chunk (default: a logits
-    chunk 2x to 4x the size of ``hidden``, a power of 2 in [256, 8192]). Dispatches the
-    per-chunk softmax / loss / grad part on ``kernel_backend(hidden)``; matmuls use torch.
+    The per-chunk softmax / loss / grad part runs on ``kernel_backend(hidden)``; the matmuls are
+    torch's. Under autocast hidden, weight and bias are cast to the autocast dtype first.
+
+    Args:
+        hidden: ``[N, D]`` (fp32, fp16 or bf16; float64 on the torch backend).
+        weight: ``[V, D]``, hidden's dtype outside autocast.
+        labels: ``[N]`` int32/int64 in ``[0, V)`` or ``ignore_index``. Out-of-range labels raise
+            ValueError on the CPU; on a GPU they fail a device-side assert (checking on the host
+            would wait for the GPU).
+        bias: ``[V]`` or None.
+        ignore_index: the label of tokens that add no loss.
+        reduction: ``"mean"`` over the non-ignored tokens (0 when there are none) or ``"sum"``.
+        chunk_size: tokens per chunk (default: a logits chunk 2x to 4x the size of ``hidden``, a
+            power of 2 in [256, 8192]).
+
+    Returns:
+        The scalar loss (fp32; fp64 for fp64 inputs); gradients flow to hidden, weight and bias.
     """
     _check(hidden, weight, labels, bias, ignore_index, reduction, chunk_size)
     device_type = hidden.device.type

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, kernel_backend
+from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
 MAX_D = 8192
 
@@ -186,7 +186,14 @@ def _torch_norm(x, z, weight, eps, out_dtype=None):
 
 
 def reference_rms_norm(x, weight, *, eps=1e-6):
-    """Oracle: the formula in x's dtype promoted to fp32."""
+    """Oracle: the formula in x's dtype promoted to fp32.
+
+    Args:
+        x, weight, eps: as in ``rms_norm``.
+
+    Returns:
+        ``[..., D]`` in x's dtype; differentiable.
+    """
     _check(x, None, weight, eps)
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
@@ -194,7 +201,14 @@ def reference_rms_norm(x, weight, *, eps=1e-6):
 
 
 def reference_gated_rms_norm(x, z, weight, *, eps=1e-6):
-    """Oracle: rms_norm(x) * weight * z * sigmoid(z) in x's dtype promoted to fp32."""
+    """Oracle: rms_norm(x) * weight * z * sigmoid(z) in x's dtype promoted to fp32.
+
+    Args:
+        x, z, weight, eps: as in ``gated_rms_norm``.
+
+    Returns:
+        ``[..., D]`` in x's dtype; differentiable.
+    """
     _check(x, z, weight, eps)
     dt = torch.promote_types(x.dtype, torch.float32)
     xf, zf = x.to(dt), z.to(dt)
@@ -203,15 +217,31 @@ def reference_gated_rms_norm(x, z, weight, *, eps=1e-6):
 
 
 def reference_l2_norm(x, *, eps=1e-6):
-    """Oracle: ``x / sqrt(sum(x^2) + eps)`` over the last dim, in x's dtype promoted to fp32."""
+    """Oracle: ``x / sqrt(sum(x^2) + eps)`` over the last dim, in x's dtype promoted to fp32.
+
+    Args:
+        x, eps: as in ``l2_norm``.
+
+    Returns:
+        ``[..., D]`` in x's dtype; differentiable.
+    """
     check_dtype("x", x)
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
     return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@on_input_device
 def l2_norm(x, *, eps=1e-6):
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim of ``x [..., D]``; output in x's dtype."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (DeltaNet's q/k normalisation).
+
+    Args:
+        x: ``[..., D]`` (fp32, fp16 or bf16; float64 on the torch backend).
+        eps: added to the sum of squares.
+
+    Returns:
+        ``[..., D]`` in x's dtype; gradients flow to x.
+    """
     check_dtype("x", x)
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dim [..., D]")
@@ -223,18 +253,40 @@ def l2_norm(x, *, eps=1e-6):
     return _RMSNormFunction.apply(x, None, weight, float(eps) / d)
 
 
+@on_input_device
 def rms_norm(x, weight, *, eps=1e-6, out_dtype=None):
-    """RMSNorm over the last dim of ``x [..., D]`` with ``weight [D]``; output in ``out_dtype``
-    (default x's dtype). A pre-norm before bf16 projections asks for bf16 here: one cast inside the
-    kernel instead of one fp32 -> bf16 copy per projection (and an fp32 gradient per projection)."""
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``, fp32 statistics.
+
+    Args:
+        x: ``[..., D]`` (fp32, fp16 or bf16; float64 on the torch backend).
+        weight: ``[D]``.
+        eps: added to the mean square.
+        out_dtype: the output's dtype (default x's). A pre-norm before bf16 projections asks for
+            bf16 here: one cast inside the kernel instead of one fp32 -> bf16 copy per projection
+            (and an fp32 gradient per projection).
+
+    Returns:
+        ``[..., D]`` in ``out_dtype``; gradients flow to x and weight.
+    """
     _check(x, None, weight, eps, out_dtype)
     if kernel_backend(x) == "torch":
         return _torch_norm(x, None, weight, eps, out_dtype)
     return _RMSNormFunction.apply(x, None, weight, float(eps), out_dtype)
 
 
+@on_input_device
 def gated_rms_norm(x, z, weight, *, eps=1e-6):
-    """``rms_norm(x) * weight * silu(z)`` over the last dim; z has x's shape; output in x's dtype."""
+    """``rms_norm(x) * weight * silu(z)`` over the last dim (the output gate of Mamba2 and Gated DeltaNet).
+
+    Args:
+        x: ``[..., D]`` (fp32, fp16 or bf16; float64 on the torch backend).
+        z: the gate, x's shape.
+        weight: ``[D]``.
+        eps: added to the mean square.
+
+    Returns:
+        ``[..., D]`` in x's dtype; gradients flow to x, z and weight.
+    """
     _check(x, z, weight, eps)
     if kernel_backend(x) == "torch":
         return _torch_norm(x, z, weight, eps)

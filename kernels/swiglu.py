@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, kernel_backend
+from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
 BLOCK = 2048
 
@@ -93,16 +93,31 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 
 def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Oracle: the formula in the inputs' dtype promoted to fp32 (float64 stays float64)."""
+    """Oracle: the formula in the inputs' dtype promoted to fp32 (float64 stays float64).
+
+    Args:
+        gate, up: as in ``swiglu``.
+
+    Returns:
+        gate's shape and dtype; differentiable.
+    """
     _check(gate, up)
     dt = torch.promote_types(gate.dtype, torch.float32)
     g = gate.to(dt)
     return (g * torch.sigmoid(g) * up.to(dt)).to(gate.dtype)
 
 
+@on_input_device
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, elementwise, any shape; gradients for both inputs (float64 inputs take
-    the torch path)."""
+    """``silu(gate) * up``, elementwise: SwiGLU's gated product.
+
+    Args:
+        gate: any shape (fp32, fp16 or bf16; float64 takes the torch path).
+        up: gate's shape, dtype and device.
+
+    Returns:
+        gate's shape and dtype, fp32 arithmetic; gradients flow to gate and up.
+    """
     _check(gate, up)
     if kernel_backend(gate) == "torch" or gate.dtype == torch.float64:
         return _SwiGLUTorch.apply(gate, up)

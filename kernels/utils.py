@@ -1,4 +1,4 @@
-"""Shared helpers for every op: backend choice and input validation.
+"""Shared helpers for every op: backend choice, input validation and the device guard.
 
 Backend choice is a run-time setting (``TTR_KERNEL_BACKEND=triton|torch``), never stored in a
 model config. Default: Triton on CUDA tensors, torch on CPU tensors. Under the Triton
@@ -8,9 +8,12 @@ CPU tensors too, which is how CI checks them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+from ttr.kernels.common.index import Packing, check_cu_seqlens_form, host_cu_seqlens
 
 BACKENDS = ("triton", "torch")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,6 +39,25 @@ def kernel_backend(x: torch.Tensor) -> str:
     return choice
 
 
+def on_input_device(op):
+    """Decorate a public op so that it runs with its first argument's GPU as the current device.
+
+    Triton launches on the current CUDA device, not on the device of the tensors, so a model on
+    ``cuda:1`` called while ``cuda:0`` is current would otherwise run its forward kernels on the
+    wrong GPU (autograd runs the backward on the tensors' device by itself).
+    """
+
+    @functools.wraps(op)
+    def guarded(*args, **kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return op(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    return guarded
+
+
 def check_dtype(name: str, x: torch.Tensor, allowed=SUPPORTED_DTYPES) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -50,26 +72,23 @@ def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have shape {layout} ({rank} dims), got {tuple(x.shape)}")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int) -> int:
-    """Validate the FlashAttention packing convention; return the number of sequences N."""
+def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int) -> int:
+    """Validate the FlashAttention packing convention; return the number of sequences N.
+
+    A tensor is checked on the host (a device-to-host copy when it is on a GPU); a ``Packing`` was
+    checked when ``prepare_packing`` built it, so only its length is compared here.
+    """
     if cu_seqlens is None:
         return batch
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if not isinstance(cu_seqlens, Packing):
+        check_cu_seqlens_form(cu_seqlens)
     if batch != 1:
         raise ValueError(f"packed input (cu_seqlens given) needs batch size 1, got B={batch}")
-    cpu = cu_seqlens.detach().to("cpu", torch.int64)
-    if int(cpu[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
-    if bool((cpu[1:] < cpu[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    if int(cpu[-1]) != seqlen:
-        raise ValueError(f"cu_seqlens must end at T={seqlen}, got {int(cpu[-1])}")
-    return cpu.numel() - 1
+    if isinstance(cu_seqlens, Packing):
+        if cu_seqlens.seqlen != seqlen:
+            raise ValueError(f"cu_seqlens must end at T={seqlen}, got a Packing of {cu_seqlens.seqlen} tokens")
+        return cu_seqlens.num_seqs
+    return host_cu_seqlens(cu_seqlens, seqlen).numel() - 1
 
 
 def check_initial_state(initial_state: torch.Tensor | None, n: int, h: int, k: int, v: int) -> None:

@@ -10,7 +10,11 @@ Padding, packing and positions are resolved once here and handed to every layer:
   attention over cached keys) and ``mask`` (the new positions; linear mixers zero k/v/beta and
   the decay there, so padding never touches a state).
 * ``cu_seqlens`` (B == 1), or derived from ``position_ids`` that restart at 0, keeps documents
-  apart in every kernel; rotary positions restart per document.
+  apart in every kernel; rotary positions restart per document. It becomes one
+  ``ttr.kernels.Packing`` per forward (``packing_of``), which every layer hands to its kernels,
+  so the offsets are checked and indexed once rather than by every op. Offsets given on the CPU
+  (as the trainer's batches have them) then cost the forward no wait for the GPU; offsets on the
+  GPU, or ``position_ids`` on it, are read to the host once, here.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from . import ops
+from ttr.kernels.common.index import Packing, prepare_packing
+from ttr.kernels.loss import linear_cross_entropy
+
 from .cache import TTRCache
 from .configuration import TTRConfig
 from .layers import LAYER_TYPES
@@ -112,19 +118,32 @@ class TTRPreTrainedModel(SavesRemoteCode, PreTrainedModel):
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Document boundaries where ``position_ids`` (``[1, T]``) restart at 0, or None without restarts."""
-    pos = position_ids[0]
+    """Document boundaries (int32, on the CPU) where ``position_ids`` (``[1, T]``) restart at 0, or
+    None without restarts. Positions on a GPU are read to the host: the one wait of a forward whose
+    packing comes from positions."""
+    pos = position_ids[0].detach().cpu()
     starts = (pos[1:] == 0).nonzero().squeeze(-1) + 1
     if starts.numel() == 0:
         return None
-    t = torch.tensor([pos.numel()], device=pos.device)
-    return torch.cat([torch.zeros(1, dtype=starts.dtype, device=pos.device), starts, t]).to(torch.int32)
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
-    idx = torch.arange(t, device=cu_seqlens.device)
-    doc = torch.searchsorted(cu_seqlens[1:].long(), idx, right=True)
-    return (idx - cu_seqlens.long()[doc])[None]
+def packing_of(cu_seqlens, position_ids, past_key_values, tokens: torch.Tensor) -> Packing | None:
+    """The forward's ``Packing``: from ``cu_seqlens`` (a tensor or a ``Packing``), else from
+    ``position_ids`` that restart at 0 in a single row without a cache; None when not packed.
+    ``tokens`` (``[B, T]`` ids or ``[B, T, hidden]`` embeddings) gives T and the device."""
+    if cu_seqlens is None and position_ids is not None and past_key_values is None:
+        if tokens.shape[0] == 1 and position_ids.shape[0] == 1:
+            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    if cu_seqlens is None:
+        return None
+    return prepare_packing(cu_seqlens, tokens.shape[1], device=tokens.device)
+
+
+def positions_in_documents(packing: Packing) -> torch.Tensor:
+    """``[1, T]``: each token's position inside its document."""
+    idx = torch.arange(packing.seqlen, device=packing.cu_seqlens.device)
+    return (idx - packing.cu_seqlens.long()[packing.seq_ids.long()])[None]
 
 
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
@@ -229,8 +248,7 @@ class TTRModel(TTRPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        if cu_seqlens is None and position_ids is not None and b == 1 and past_key_values is None:
-            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        cu_seqlens = packing_of(cu_seqlens, position_ids, past_key_values, hidden)
         if cu_seqlens is not None:
             if past_key_values is not None:
                 raise ValueError("cu_seqlens (packed documents) cannot be combined with past_key_values")
@@ -250,7 +268,7 @@ class TTRModel(TTRPreTrainedModel):
         bound = None if position_ids is not None else seen + t
         if position_ids is None:
             if cu_seqlens is not None:
-                position_ids = positions_from_cu_seqlens(cu_seqlens, t)
+                position_ids = positions_in_documents(cu_seqlens)
             elif full_mask is not None:
                 position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
             else:
@@ -291,7 +309,7 @@ class LMHead(nn.Linear):
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
         if targets is None:
             return super().forward(hidden)
-        return ops.linear_cross_entropy(hidden, self.weight, targets, ignore_index=-100, reduction=reduction)
+        return linear_cross_entropy(hidden, self.weight, targets, ignore_index=-100, reduction=reduction)
 
     @classmethod
     def adopt(cls, head: nn.Module) -> nn.Module:
@@ -384,14 +402,14 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
             inputs["logits_to_keep"] = logits_to_keep
         return inputs
 
-    def _targets(self, labels, shape, cu_seqlens):
+    def _targets(self, labels, shape, packing: Packing | None):
         if labels.shape != shape:
             raise ValueError(f"labels must have shape [B, T] = {tuple(shape)}, got {tuple(labels.shape)}")
         # HF convention: labels are the inputs; position t predicts label t+1.
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-        if cu_seqlens is not None:
+        if packing is not None:
             # The last token of a document must not be trained to predict the next document.
-            targets[0, cu_seqlens[1:].long() - 1] = -100
+            targets[0, packing.cu_seqlens[1:].long() - 1] = -100
         return targets.reshape(-1)
 
     @can_return_tuple
@@ -414,14 +432,11 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """``return_logits`` (only with ``labels``): also return the logits. Default: in eval mode
         yes, in training no when the loss is fused (see the class docstring). ``return_dict=False``
-        returns a tuple instead of the output object."""
-        if (
-            cu_seqlens is None
-            and position_ids is not None
-            and past_key_values is None
-            and position_ids.shape[0] == 1
-        ):
-            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        returns a tuple instead of the output object. ``cu_seqlens`` may be a ``ttr.kernels.Packing``
+        (``prepare_packing``), which the model then uses as it is."""
+        check_inputs(input_ids, inputs_embeds)
+        cu_seqlens = packing_of(cu_seqlens, position_ids, past_key_values,
+                                input_ids if input_ids is not None else inputs_embeds)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -7,7 +7,9 @@ import math
 import torch
 from torch import nn
 
-from . import ops
+from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
+from ttr.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+from ttr.kernels.swiglu import swiglu
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -27,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under autocast the output is in the autocast dtype: every consumer of a pre-norm is a
         # projection that would cast it anyway, once per projection (six in Gated DeltaNet).
-        return ops.rms_norm(x, self.weight, eps=self.eps, out_dtype=autocast_dtype(x))
+        return rms_norm(x, self.weight, eps=self.eps, out_dtype=autocast_dtype(x))
 
 
 class GatedRMSNorm(nn.Module):
@@ -39,7 +41,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ops.gated_rms_norm(x, z, self.weight, eps=self.eps)
+        return gated_rms_norm(x, z, self.weight, eps=self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -53,12 +55,12 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """L2-normalise the last dim (DeltaNet's q/k normalisation, Yang et al. 2024, arXiv:2406.06484)."""
-    return ops.l2_norm(x, eps=eps)
+    return l2_norm(x, eps=eps)
 
 
 def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
@@ -111,9 +113,9 @@ class ShortConv(nn.Module):
         if decoding:
             if state is None:
                 state = x.new_zeros(x.shape[0], x.shape[2], self.weight.shape[1] - 1)
-            y, new_state = ops.causal_conv1d_update(x[:, 0], state, self.weight, self.bias, activation="silu")
+            y, new_state = causal_conv1d_update(x[:, 0], state, self.weight, self.bias, activation="silu")
             return y[:, None], new_state
-        return ops.causal_conv1d(
+        return causal_conv1d(
             x,
             self.weight,
             self.bias,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ttr.errors import TTRError, one_line
+from ttr.models.modeling import prepare_packing
 from ttr.optim import build_optimizer, lr_multiplier, set_lr
 
 from .checkpoint import (
@@ -307,10 +308,14 @@ class Trainer:
 
     def _forward(self, batch: dict, num_items: float):
         dev = self.acc.device
+        ids = batch["input_ids"].to(dev, non_blocking=True)
         return self.model(
-            input_ids=batch["input_ids"].to(dev, non_blocking=True),
+            input_ids=ids,
             labels=batch["labels"].to(dev, non_blocking=True),
-            cu_seqlens=batch["cu_seqlens"].to(dev, non_blocking=True),
+            # Indexed on the host from the batch's CPU offsets and sent in one non-blocking copy:
+            # no op then reads offsets back from the GPU, so the step never waits for it. A
+            # Packing also passes DDP and FSDP, which move tensor arguments with a blocking copy.
+            cu_seqlens=prepare_packing(batch["cu_seqlens"], ids.shape[1], device=dev),
             num_items_in_batch=num_items,
             use_cache=False,
             return_logits=False,  # validation runs in eval mode, which would build the logits too

@@ -9,14 +9,25 @@ signature. Math, shapes and the masking rule: ``reference.py``; kernels and tili
 
 from ttr.kernels.attention.dispatch import dispatch_attention
 from ttr.kernels.attention.reference import check_attention_inputs, reference_attention, torch_attention
-from ttr.kernels.utils import kernel_backend
+from ttr.kernels.utils import kernel_backend, on_input_device
 
 
+@on_input_device
 def attention(q, k, v, *, window=None, scale=None, cu_seqlens=None):
     """Causal softmax attention; with ``window = W`` query t sees keys t-W+1 .. t.
 
-    q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` (``Hq % Hkv == 0``, D <= 256), packed documents via
-    ``cu_seqlens`` (``B == 1``). ``scale`` defaults to ``D ** -0.5``. Returns o ``[B, T, Hq, D]``.
+    Args:
+        q: ``[B, T, Hq, D]`` (fp32, fp16 or bf16; float64 on the torch backend), D <= 256.
+        k, v: ``[B, T, Hkv, D]`` in q's dtype, ``Hq % Hkv == 0`` (query head h reads k/v head
+            ``h // (Hq / Hkv)``).
+        window: W, the number of keys a query sees (itself and the W-1 before it); None for
+            full causal attention.
+        scale: factor on the scores, default ``D ** -0.5``.
+        cu_seqlens: ``[N + 1]`` int32/int64 document offsets for packed input (B must be 1; no
+            query sees another document), or a ``Packing`` from ``prepare_packing`` (no host copy).
+
+    Returns:
+        o ``[B, T, Hq, D]`` in q's dtype; gradients flow to q, k and v.
     """
     _, scale = check_attention_inputs(q, k, v, window, scale, cu_seqlens)
     if kernel_backend(q) == "torch":

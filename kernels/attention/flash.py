@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ttr.kernels.common.index import prepare_packing
 from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 
 LOG2E = math.log2(math.e)
@@ -497,14 +498,15 @@ class SequencePlan(NamedTuple):
 
 
 def sequence_plan(q, cu_seqlens) -> SequencePlan:
-    """The ``SequencePlan`` of q ``[B, T, ...]`` and ``cu_seqlens`` (one host copy of the bounds,
-    which waits for the GPU when they live there)."""
+    """The ``SequencePlan`` of q ``[B, T, ...]`` and ``cu_seqlens`` (a tensor or a ``Packing``). A
+    ``Packing`` carries the bounds on the host already; a tensor is indexed by ``prepare_packing``
+    (one host copy of the bounds, which waits for the GPU when they live there)."""
     b, t = q.shape[:2]
     if cu_seqlens is None:
         return SequencePlan(None, b, t, None)
-    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    return SequencePlan(cu, lengths.numel(), int(lengths.max()) if lengths.numel() else 0, lengths)
+    packing = prepare_packing(cu_seqlens, t, device=q.device)
+    lengths = torch.tensor(packing.bounds, dtype=torch.int64).diff()
+    return SequencePlan(packing.cu_seqlens, packing.num_seqs, packing.max_len, lengths)
 
 
 def attention_fwd(q, k, v, plan, window, scale):

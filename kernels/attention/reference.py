@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ttr.kernels.common.index import segments
 from ttr.kernels.utils import check_cu_seqlens, check_dtype, check_head_dim, check_rank
 
 
@@ -66,23 +67,22 @@ def band_mask(length: int, window: int | None, device) -> torch.Tensor:
     return allowed
 
 
-def _segments(b: int, t: int, cu_seqlens) -> list[tuple[int, int, int]]:
-    """(batch index, start, end) for every sequence."""
-    if cu_seqlens is None:
-        return [(i, 0, t) for i in range(b)]
-    cu = cu_seqlens.detach().to("cpu", torch.int64).tolist()
-    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-
-
 def reference_attention(q, k, v, *, window=None, scale=None, cu_seqlens=None):
-    """Float64-capable oracle: explicit mask and softmax per sequence (see module docstring)."""
+    """Float64-capable oracle: explicit mask and softmax per sequence (see module docstring).
+
+    Args:
+        q, k, v, window, scale, cu_seqlens: as in ``ttr.kernels.attention.attention``.
+
+    Returns:
+        o ``[B, T, Hq, D]`` in q's dtype, computed in that dtype; differentiable.
+    """
     _, scale = check_attention_inputs(q, k, v, window, scale, cu_seqlens)
     b, t, hq, _ = q.shape
     if b == 0 or t == 0:
         return torch.zeros_like(q)
     group = hq // k.shape[2]
     pieces = []
-    for i_b, bos, eos in _segments(b, t, cu_seqlens):
+    for i_b, bos, eos in segments(cu_seqlens, b, t):
         if eos == bos:
             continue
         b_q = q[i_b, bos:eos].transpose(0, 1)  # [Hq, L, D]
@@ -110,7 +110,7 @@ def torch_attention(q, k, v, *, window=None, scale=None, cu_seqlens=None):
         )
         return o.transpose(1, 2)
     pieces = []
-    for _, bos, eos in _segments(b, t, cu_seqlens):
+    for _, bos, eos in segments(cu_seqlens, b, t):
         if eos == bos:
             continue
         b_o = F.scaled_dot_product_attention(

@@ -1,11 +1,12 @@
 """The chunkwise engine: the stages every chunkwise mixer (DeltaNet, Gated DeltaNet, GLA, SSD) composes.
 
 Chunk size ``BT = 64``; head dims up to 256 (the state pass keeps two 128-row halves beyond 128).
-Every stage takes a :class:`ChunkPlan` (``plan``), built once per call by
-``prepare_chunks(cu_seqlens, batch, seqlen)``: inputs ``[B, T, ...]`` are read as ``[1, B*T, ...]``
-with ``cu_seqlens = [0, T, 2T, ...]`` when not packed, chunks are indexed per sequence (a chunk never
-straddles two documents), and per-chunk tensors (``h``, ``dh``) are ``[NT, H, K, V]`` with ``NT`` the
-total number of chunks over all sequences, in sequence order. Gates are log-space fp32 and, inside
+Every stage takes a :class:`ChunkPlan` (``plan``) from ``prepare_chunks(cu_seqlens, batch, seqlen)``
+(cached per shape without packing, carried by a ``Packing`` passed as ``cu_seqlens``): inputs
+``[B, T, ...]`` are read as ``[1, B*T, ...]`` with ``cu_seqlens = [0, T, 2T, ...]`` when not packed,
+chunks are indexed per sequence (a chunk never straddles two documents), and per-chunk tensors
+(``h``, ``dh``) are ``[NT, H, K, V]`` with ``NT`` the total number of chunks over all sequences, in
+sequence order. Gates are log-space fp32 and, inside
 the engine, already chunk-local cumulative sums (``g_cum``).
 
 Stages (Triton, forward and backward; ``q, k [B,T,H,K]``, ``v, u, v_new [B,T,H,V]``, ``g [B,T,H]``,

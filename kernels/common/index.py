@@ -1,4 +1,5 @@
-"""Chunk bookkeeping shared by every stage: which chunk of which sequence a program handles."""
+"""Chunk bookkeeping shared by every stage: which chunk of which sequence a program handles, and the
+packing of documents (``cu_seqlens``) resolved once for all the ops of a forward (``Packing``)."""
 
 from __future__ import annotations
 
@@ -18,50 +19,169 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
 
 
-# Plans of unpacked batches, by (B, T, device, chunk size): building one takes ~10 small kernel
-# launches, which at training sizes is CPU time the GPU waits for (a stage's kernel is short enough
-# that a fwd+bwd call is bound by its launches). The plan's tensors are read-only.
+class Packing(NamedTuple):
+    """Packed documents (``B == 1`` plus ``cu_seqlens``), validated and indexed once.
+
+    Every op that takes ``cu_seqlens`` also takes a ``Packing`` in its place. A plain tensor is
+    checked on the host and indexed at every call (a device-to-host copy when it lives on a GPU,
+    which stalls the host until the GPU has caught up); a ``Packing`` carries those host facts and
+    the chunk plan already built, so a model resolves its packing once per forward
+    (``prepare_packing``) and its ops launch their kernels without waiting for the GPU.
+
+    Built by :func:`prepare_packing`. ``.to(device)`` moves it like a tensor (accelerate and DDP move
+    forward arguments this way; DDP also moves the tensors of a NamedTuple field by field).
+    """
+
+    cu_seqlens: torch.Tensor  # [N+1] int32 on the device: the first token of each document, then T
+    seq_ids: torch.Tensor  # [T] int32 on the device: the document of each token
+    plan: ChunkPlan  # the chunk index of the chunkwise ops, on the device
+    bounds: tuple[int, ...]  # cu_seqlens on the host
+    max_len: int  # the longest document
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def seqlen(self) -> int:
+        """T, the total number of tokens."""
+        return self.bounds[-1]
+
+    def to(self, device, non_blocking: bool = False) -> Packing:
+        """This packing with its tensors on ``device`` (itself when they are there already)."""
+        device = _concrete(device)
+        if self.cu_seqlens.device == device:
+            return self
+
+        def move(x):
+            return x.to(device, non_blocking=non_blocking)
+
+        cu, plan = move(self.cu_seqlens), self.plan
+        plan = plan._replace(cu_seqlens=cu, chunk_indices=move(plan.chunk_indices),
+                             chunk_offsets=move(plan.chunk_offsets))
+        return self._replace(cu_seqlens=cu, seq_ids=move(self.seq_ids), plan=plan)
+
+
+def _concrete(device) -> torch.device:
+    """``device`` with the current GPU's index filled in for a bare ``"cuda"``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_cu_seqlens_form(cu_seqlens) -> None:
+    """Type, dtype and rank of a ``cu_seqlens`` tensor (what needs no look at its values)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or a Packing, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+
+
+def host_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Validate ``cu_seqlens`` (from 0, non-decreasing, ending at ``seqlen``); return it as an int64
+    CPU tensor. For a GPU tensor this is the device-to-host copy that a ``Packing`` spares its ops."""
+    check_cu_seqlens_form(cu_seqlens)
+    cpu = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cpu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cpu[0])}")
+    if bool((cpu[1:] < cpu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if int(cpu[-1]) != seqlen:
+        raise ValueError(f"cu_seqlens must end at T={seqlen}, got {int(cpu[-1])}")
+    return cpu
+
+
+def prepare_packing(cu_seqlens, seqlen: int, *, device=None, chunk_size: int = CHUNK_SIZE) -> Packing:
+    """Validate packed-document offsets once and index them for every op of a forward.
+
+    Args:
+        cu_seqlens: ``[N + 1]`` int32/int64 tensor of document offsets (from 0, non-decreasing,
+            ending at ``seqlen``), on any device, or a ``Packing`` (checked against ``seqlen`` and
+            moved to ``device``). Offsets on the CPU cost no device synchronisation: the index is
+            computed on the host and sent with one non-blocking copy. Offsets on a GPU are first
+            copied to the host, which waits for the GPU once.
+        seqlen: T, the number of tokens of the packed ``[1, T, ...]`` inputs.
+        device: where the ops will run (default: the device of ``cu_seqlens``).
+        chunk_size: tokens per chunk of the chunkwise ops (``CHUNK_SIZE``).
+
+    Returns:
+        A :class:`Packing`; pass it as ``cu_seqlens`` to any op.
+
+    Raises:
+        TypeError, ValueError: ``cu_seqlens`` breaks the convention above (the message says how).
+    """
+    if isinstance(cu_seqlens, Packing):
+        if cu_seqlens.seqlen != seqlen:
+            raise ValueError(f"cu_seqlens must end at T={seqlen}, got a Packing of {cu_seqlens.seqlen} tokens")
+        packing = cu_seqlens if device is None else cu_seqlens.to(device)
+        if packing.plan.chunk_size != chunk_size:
+            packing = _build_packing(torch.tensor(packing.bounds), packing.cu_seqlens.device, chunk_size)
+        return packing
+    host = host_cu_seqlens(cu_seqlens, seqlen)
+    return _build_packing(host, cu_seqlens.device if device is None else device, chunk_size)
+
+
+def _build_packing(host: torch.Tensor, device, chunk_size: int) -> Packing:
+    """Index the documents of ``host`` (validated int64 CPU offsets) on the host, then send every
+    index tensor to ``device`` in one non-blocking copy (from pinned memory for a GPU, so the copy
+    neither waits for the GPU nor holds up the host)."""
+    device = _concrete(device)
+    n = host.numel() - 1
+    lens = host[1:] - host[:-1]
+    counts = (lens + chunk_size - 1) // chunk_size
+    offsets = torch.cat([host.new_zeros(1), counts.cumsum(0)])
+    num_chunks, seqlen = int(offsets[-1]), int(host[-1])
+    docs = torch.arange(n)
+    seq = docs.repeat_interleave(counts, output_size=num_chunks)
+    chunk_indices = torch.stack([seq, torch.arange(num_chunks) - offsets[seq]], 1)
+    parts = [host, offsets, chunk_indices.flatten(), docs.repeat_interleave(lens, output_size=seqlen)]
+    # Each part starts on a 16-byte boundary, as a tensor of its own would: Triton specialises a
+    # kernel on the alignment of its pointers, so views at other offsets would compile variants.
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + -(-part.numel() // 4) * 4)
+    buf = torch.zeros(starts[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+    for part, start in zip(parts, starts):
+        buf[start : start + part.numel()] = part
+    buf = buf.to(device, non_blocking=True)
+    cu, offsets_d, indices_d, seq_ids = (buf[start : start + p.numel()] for p, start in zip(parts, starts))
+    plan = ChunkPlan(cu, indices_d.view(num_chunks, 2), offsets_d, n, num_chunks, chunk_size)
+    return Packing(cu, seq_ids, plan, tuple(host.tolist()), int(lens.max()))
+
+
+# Plans of unpacked batches, by (B, T, device, chunk size): a GPU plan costs a host-to-device copy,
+# and a training run sees a few shapes again and again. The plan's tensors are read-only.
 _PLANS: dict[tuple, ChunkPlan] = {}
 _MAX_PLANS = 64
 
 
-def prepare_chunks(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device=None,
-                   chunk_size: int = CHUNK_SIZE) -> ChunkPlan:
+def prepare_chunks(cu_seqlens, batch: int, seqlen: int, device=None, chunk_size: int = CHUNK_SIZE) -> ChunkPlan:
     """Index chunks per sequence. Without ``cu_seqlens`` the batch is read as B packed sequences
-    of length T (the memory of ``[B, T, ...]`` is that of ``[1, B*T, ...]``); those plans are cached."""
+    of length T (the memory of ``[B, T, ...]`` is that of ``[1, B*T, ...]``); those plans are cached.
+    ``cu_seqlens`` may be a ``Packing``, whose plan is used as it is (on ``device``)."""
     if cu_seqlens is None:
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "cuda" and device.index is None:  # the cache holds tensors of one GPU
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _concrete(device if device is not None else "cpu")
         key = (batch, seqlen, str(device), chunk_size)
         plan = _PLANS.get(key)
         if plan is None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
-            plan = _PLANS[key] = _build_plan(None, batch, seqlen, device, chunk_size)
+            host = torch.arange(batch + 1, dtype=torch.int64) * seqlen
+            plan = _PLANS[key] = _build_packing(host, device, chunk_size).plan
         return plan
-    return _build_plan(cu_seqlens, batch, seqlen, device, chunk_size)
+    return prepare_packing(cu_seqlens, seqlen, device=device, chunk_size=chunk_size).plan
 
 
-def _build_plan(cu_seqlens: torch.Tensor | None, batch: int, seqlen: int, device, chunk_size: int) -> ChunkPlan:
+def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
+    """(batch row, first token, end) of every sequence, in state order: B rows of T tokens, or the
+    documents of ``cu_seqlens`` (a ``Packing``'s host copy, or a tensor read on the host)."""
     if cu_seqlens is None:
-        cu = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * seqlen
-        n_per = (seqlen + chunk_size - 1) // chunk_size
-        seq = torch.arange(batch, device=device).repeat_interleave(n_per)
-        idx = torch.arange(n_per, device=device).repeat(batch)
-        offsets = torch.arange(0, batch + 1, device=device, dtype=torch.int64) * n_per
-        num_seqs, num_chunks = batch, batch * n_per
-    else:
-        cu = cu_seqlens.to(torch.int64)
-        device = cu.device
-        counts = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
-        offsets = torch.cat([cu.new_zeros(1), counts.cumsum(0)])
-        num_seqs, num_chunks = cu.numel() - 1, int(offsets[-1])
-        seq = torch.arange(num_seqs, device=device).repeat_interleave(counts, output_size=num_chunks)
-        idx = torch.arange(num_chunks, device=device) - offsets[seq]
-    chunk_indices = torch.stack([seq, idx], 1).to(torch.int32).contiguous()
-    return ChunkPlan(cu.to(torch.int32).contiguous(), chunk_indices, offsets.to(torch.int32).contiguous(),
-                     num_seqs, num_chunks, chunk_size)
+        return [(i, 0, seqlen) for i in range(batch)]
+    bounds = cu_seqlens.bounds if isinstance(cu_seqlens, Packing) else cu_seqlens.detach().cpu().tolist()
+    return [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
 
 
 # Keep or recompute: the backward of every mixer needs the chunk states ``h`` of the forward. The

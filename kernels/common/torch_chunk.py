@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import torch
 
-from ttr.kernels.common.index import CHUNK_SIZE
+from ttr.kernels.common.index import CHUNK_SIZE, prepare_packing
 
 
-def _pack_index(cu_seqlens: torch.Tensor | None, B: int, T: int, chunk: int, device):
+def _pack_index(cu_seqlens, B: int, T: int, chunk: int, device):
     """Flat token index per padded slot ``[N, L]`` (-1 for padding) and L."""
     if cu_seqlens is None:
         starts = torch.arange(B, device=device) * T
         lens = torch.full((B,), T, device=device)
+        longest = T
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    L = max(chunk, -(-int(lens.max()) // chunk) * chunk) if lens.numel() else chunk
+        packing = prepare_packing(cu_seqlens, T, device=device)
+        cu = packing.cu_seqlens.long()
+        starts, lens, longest = cu[:-1], cu[1:] - cu[:-1], packing.max_len
+    L = max(chunk, -(-longest // chunk) * chunk)
     pos = torch.arange(L, device=device)
     idx = torch.where(pos[None, :] < lens[:, None], starts[:, None] + pos[None, :], -1)
     return idx, L

@@ -1,11 +1,9 @@
-"""Validation and backend dispatch shared by the delta-rule ops (``delta`` and ``gated_delta``)."""
+"""Input validation shared by the delta-rule ops (``delta`` and ``gated_delta``)."""
 
 from __future__ import annotations
 
 import torch
 
-from ttr.kernels.common.torch_chunk import chunk_torch
-from ttr.kernels.delta.reference import delta_reference_core
 from ttr.kernels.utils import (
     SUPPORTED_DTYPES,
     check_cu_seqlens,
@@ -13,7 +11,6 @@ from ttr.kernels.utils import (
     check_head_dim,
     check_initial_state,
     check_rank,
-    kernel_backend,
 )
 
 
@@ -52,25 +49,7 @@ def validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, gated: bool)
     return float(scale)
 
 
-def _check_triton_dtype(q: torch.Tensor) -> None:
+def check_triton_dtype(q: torch.Tensor) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; the Triton kernels take {SUPPORTED_DTYPES} "
                         "(use the reference_* functions or TTR_KERNEL_BACKEND=torch for float64)")
-
-
-def chunk_dispatch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    if kernel_backend(q) == "triton":
-        _check_triton_dtype(q)
-        from ttr.kernels.delta.chunk import chunk_delta_triton
-
-        return chunk_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-
-
-def recurrent_dispatch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    if kernel_backend(q) == "triton":
-        _check_triton_dtype(q)
-        from ttr.kernels.delta.recurrent import recurrent_delta_triton
-
-        return recurrent_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-    return delta_reference_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

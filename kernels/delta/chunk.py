@@ -26,8 +26,13 @@ from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
 
 class ChunkDeltaRuleFunction(torch.autograd.Function):
+    """``(o, final_state)`` of validated inputs (``ttr.kernels.delta``): the stages above."""
+
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+        g = g.contiguous() if g is not None else None
+        initial_state = initial_state.contiguous() if initial_state is not None else None
         B, T = q.shape[:2]
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
@@ -59,9 +64,3 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             dh0 = dh0.to(h0.dtype)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
-
-def chunk_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = g.contiguous() if g is not None else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    return ChunkDeltaRuleFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)

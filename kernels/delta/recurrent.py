@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import prepare_chunks
+
 
 @triton.jit
 def recurrent_delta_kernel(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, H: tl.constexpr, K: tl.constexpr,
@@ -45,11 +47,8 @@ def recurrent_delta_kernel(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, H: tl
 def recurrent_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int32) * T
-    else:
-        cu = cu_seqlens.to(torch.int32)
-    N = cu.numel() - 1
+    plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
+    cu, N = plan.cu_seqlens, plan.num_seqs
     BK = max(16, triton.next_power_of_2(K))
     BV = min(32 if BK <= 128 else 16, max(16, triton.next_power_of_2(V)))
     o = torch.empty_like(v)

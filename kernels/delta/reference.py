@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from ttr.kernels.common.index import segments
+
 
 def delta_reference_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(B)]
-    else:
-        cu = cu_seqlens.tolist()
-        spans = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    spans = segments(cu_seqlens, B, T)
     outs = [[] for _ in range(B)]
     finals = []
     for n, (b, s, e) in enumerate(spans):

@@ -32,7 +32,7 @@ from ttr.kernels.common.intra_vector_gate import (
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs
-from ttr.kernels.utils import kernel_backend
+from ttr.kernels.utils import kernel_backend, on_input_device
 
 
 class ChunkGLAFunction(torch.autograd.Function):
@@ -71,6 +71,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         return dq, dk, dv.to(v.dtype), dg, dh0, None, None, None
 
 
+@on_input_device
 def chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,12 +86,14 @@ def chunk_gla(
     """Gated linear attention, chunkwise (training and prefill).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (fp32, fp16 or bf16, one dtype).
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (fp32, fp16 or bf16, one dtype; float64 takes
+            the torch path).
         g: ``[B, T, H, K]`` log gate (fp32, <= 0), the per-key decay ``exp(g)``.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` fp32, N = B (or the number of packed sequences).
         output_final_state: also return the final states ``[N, H, K, V]`` fp32.
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1), or a
+            ``Packing`` from ``prepare_packing`` (no host copy, no re-indexing).
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g

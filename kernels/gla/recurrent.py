@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import prepare_chunks
 from ttr.kernels.gla.reference import check_gla_inputs, recurrence
-from ttr.kernels.utils import kernel_backend
+from ttr.kernels.utils import kernel_backend, on_input_device
 
 
 @triton.jit
@@ -54,9 +55,8 @@ def recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_s
         return recurrence(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-    N = cu_seqlens.numel() - 1
+    plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
+    N = plan.num_seqs
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
@@ -64,11 +64,12 @@ def recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_s
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), 32 if BK >= 128 else 64)
     recurrent_kernel[(triton.cdiv(V, BV), N * H)](
-        q, k, v, g, o, h0, ht, cu_seqlens, scale, H=H, K=K, V=V, BK=BK, BV=BV, VECTOR_GATE=g.dim() == 4,
+        q, k, v, g, o, h0, ht, plan.cu_seqlens, scale, H=H, K=K, V=V, BK=BK, BV=BV, VECTOR_GATE=g.dim() == 4,
         USE_H0=h0 is not None, STORE_HT=output_final_state)
     return o, ht
 
 
+@on_input_device
 def recurrent_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,7 +81,14 @@ def recurrent_gla(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
-    """GLA token by token, for decoding; same arguments and result as ``chunk_gla``. Forward only."""
+    """GLA token by token, for decoding (a few tokens against a state). Forward only.
+
+    Args:
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens: as in ``chunk_gla``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 or None)``.
+    """
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ttr.kernels.common.index import segments
 from ttr.kernels.utils import (
     check_cu_seqlens,
     check_dtype,
@@ -65,14 +66,6 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _segments(b: int, t: int, cu_seqlens):
-    """(batch index, start, end) of every sequence."""
-    if cu_seqlens is None:
-        return [(i, 0, t) for i in range(b)]
-    bounds = cu_seqlens.detach().to("cpu", torch.int64).tolist()
-    return [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
-
-
 def recurrence(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
     """The per-token recurrence (no validation); g is [B, T, H, K] or [B, T, H]."""
     cdt = _compute_dtype(q)
@@ -80,7 +73,7 @@ def recurrence(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
     dv = v.shape[-1]
     gk = g if g.dim() == 4 else g.unsqueeze(-1)
     outs, finals = [], []
-    for n, (i_b, s, e) in enumerate(_segments(b, t, cu_seqlens)):
+    for n, (i_b, s, e) in enumerate(segments(cu_seqlens, b, t)):
         if initial_state is None:
             state = q.new_zeros(h, dk, dv, dtype=cdt)
         else:
@@ -123,7 +116,14 @@ def reference_gla(
 ):
     """GLA as the per-token recurrence in torch: the test oracle (float64 when inputs are float64).
 
-    Same signature and result as ``chunk_gla``; slow (a Python loop over tokens).
+    Slow (a Python loop over tokens).
+
+    Args:
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens: as in ``chunk_gla``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] or None)``, as ``chunk_gla``;
+        differentiable.
     """
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens

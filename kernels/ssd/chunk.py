@@ -36,7 +36,7 @@ from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs
 from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
-from ttr.kernels.utils import kernel_backend
+from ttr.kernels.utils import kernel_backend, on_input_device
 
 
 def _forward(q, k, v, gc, initial_state, scale, output_final_state, plan):
@@ -164,13 +164,7 @@ class ChunkSSDFunction(torch.autograd.Function):
         return dx, ddt, dA, _group_sum(dk, G), _group_sum(dq, G), dh0, None, None
 
 
-def _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
-    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
-        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
-    return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
-
-
+@on_input_device
 def chunk_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,22 +179,29 @@ def chunk_simple_gla(
     """Linear attention with one log decay per head, chunkwise (training and prefill).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (fp32, fp16 or bf16, one dtype).
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (fp32, fp16 or bf16, one dtype; float64 takes
+            the torch path).
         g: ``[B, T, H]`` log decay (fp32, <= 0).
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` fp32, N = B (or the number of packed sequences).
         output_final_state: also return the final states ``[N, H, K, V]`` fp32.
-        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1), or a
+            ``Packing`` from ``prepare_packing`` (no host copy, no re-indexing).
 
     Returns:
-        ``(o [B, T, H, V] in v's dtype, final_state or None)``.
+        ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g and
+        initial_state.
     """
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=False, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    return _simple_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
+    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
+        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
+    return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 
 
+@on_input_device
 def chunk_ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -221,7 +222,8 @@ def chunk_ssd(
         B, C: ``[B, T, G, N]`` in x's dtype, G groups shared by H / G consecutive heads.
         initial_state: ``[N_seq, H, N, P]`` fp32.
         output_final_state: also return the final states ``[N_seq, H, N, P]`` fp32.
-        cu_seqlens: ``[N_seq + 1]`` offsets of packed sequences (batch must be 1).
+        cu_seqlens: ``[N_seq + 1]`` int32/int64 offsets of packed sequences (batch must be 1), or a
+            ``Packing`` from ``prepare_packing`` (no host copy, no re-indexing).
 
     Returns:
         ``(y [B, T, H, P] in x's dtype, final_state or None)``. No D skip, no gating, no scale:

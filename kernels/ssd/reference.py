@@ -81,7 +81,15 @@ def reference_simple_gla(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
-    """Simple GLA as the per-token recurrence in torch: the test oracle. Same signature as ``chunk_simple_gla``."""
+    """Simple GLA as the per-token recurrence in torch: the test oracle.
+
+    Args:
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens: as in
+            ``chunk_simple_gla``.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] or None)``; differentiable.
+    """
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=False, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
@@ -99,7 +107,14 @@ def reference_ssd(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
-    """Mamba2's SSD as the per-token recurrence in torch: the test oracle. Same signature as ``chunk_ssd``."""
+    """Mamba2's SSD as the per-token recurrence in torch: the test oracle.
+
+    Args:
+        x, dt, A, B, C, initial_state, output_final_state, cu_seqlens: as in ``chunk_ssd``.
+
+    Returns:
+        ``(y [B, T, H, P] in x's dtype, final_state [N_seq, H, N, P] or None)``; differentiable.
+    """
     check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
     q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
     return recurrence(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)

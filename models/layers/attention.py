@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
+from ttr.kernels.attention import attention
+
 from ..modules import ShortConv, apply_rotary, run_short_convs
 from .base import Mixer
 
@@ -101,7 +102,7 @@ class Attention(Mixer):
 
     def _kernel(self, q, k, v, mask, cu_seqlens):
         if mask is None or bool(mask.all()):
-            return ops.attention(q, k, v, window=self.window, scale=self.scale, cu_seqlens=cu_seqlens)
+            return attention(q, k, v, window=self.window, scale=self.scale, cu_seqlens=cu_seqlens)
         # Pack the valid tokens of each row into one varlen batch so padding is never attended.
         b, t = mask.shape
         idx = mask.reshape(-1).nonzero().squeeze(-1)
@@ -109,7 +110,7 @@ class Attention(Mixer):
         cu = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
         cu[1:] = lengths.cumsum(0)
         packed = [x.reshape(b * t, *x.shape[2:])[idx][None] for x in (q, k, v)]
-        o = ops.attention(*packed, window=self.window, scale=self.scale, cu_seqlens=cu)
+        o = attention(*packed, window=self.window, scale=self.scale, cu_seqlens=cu)
         out = q.new_zeros(b * t, *o.shape[2:])
         out[idx] = o[0]
         return out.view(b, t, *o.shape[2:])

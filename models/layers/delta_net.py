@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
+from ttr.kernels.delta import chunk_delta_rule, recurrent_delta_rule
+
 from ..modules import RMSNorm, l2_normalize, mask_tokens
 from .linear import LinearMixer
 
@@ -37,6 +38,6 @@ class DeltaNet(LinearMixer):
         if self.config.allow_neg_eigval:
             beta = 2 * beta
         k, v, beta = mask_tokens(mask, k, v, beta)
-        o = self.run_kernel(ops.chunk_delta_rule, ops.recurrent_delta_rule, q, k, v, beta,
+        o = self.run_kernel(chunk_delta_rule, recurrent_delta_rule, q, k, v, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         return self.output(self.o_norm(o))

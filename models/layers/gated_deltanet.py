@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from ttr.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
 from ..modules import GatedRMSNorm, init_time_step_bias, l2_normalize, mask_tokens
 from .linear import LinearMixer
 
@@ -56,7 +57,7 @@ class GatedDeltaNet(LinearMixer):
             beta = 2 * beta
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         k, v, beta, g = mask_tokens(mask, k, v, beta, g)
-        o = self.run_kernel(ops.chunk_gated_delta_rule, ops.recurrent_gated_delta_rule, q, k, v, g, beta,
+        o = self.run_kernel(chunk_gated_delta_rule, recurrent_gated_delta_rule, q, k, v, g, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         gate = self.g_proj(x).view(b, t, self.num_heads, self.head_v)
         return self.output(self.o_norm(o, gate))

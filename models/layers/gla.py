@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from ttr.kernels.gla import chunk_gla, recurrent_gla
+
 from ..modules import GatedRMSNorm, mask_tokens
 from .linear import LinearMixer
 
@@ -39,7 +40,7 @@ class GatedLinearAttention(LinearMixer):
         if self.config.gla_gate_clamp_min is not None:
             gk = gk.clamp_min(self.config.gla_gate_clamp_min)
         k, v, gk = mask_tokens(mask, k, v, gk.view(b, t, self.num_heads, self.head_k))
-        o = self.run_kernel(ops.chunk_gla, ops.recurrent_gla, q, k, v, gk,
+        o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         gate = self.g_proj(x).view(b, t, self.num_heads, self.head_v)
         return self.output(self.o_norm(o, gate))

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ttr.kernels.common.index import CHUNK_SIZE
+from ttr.kernels.common.index import CHUNK_SIZE, Packing
+from ttr.kernels.norm import rms_norm
+from ttr.kernels.ssd import chunk_simple_gla, chunk_ssd, recurrent_simple_gla, recurrent_ssd
 
-from .. import ops
 from ..modules import ShortConv, init_time_step_bias, mask_tokens, run_short_convs
 from .base import Mixer
 
@@ -129,24 +130,25 @@ class Mamba2(Mixer):
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         u = y * F.silu(z)
         if self.n_groups == 1:
-            return ops.rms_norm(u, self.norm_weight, eps=self.eps)
+            return rms_norm(u, self.norm_weight, eps=self.eps)
         shape = u.shape
         grouped = u.reshape(*shape[:-1], self.n_groups, self.d_inner // self.n_groups)
         ones = torch.ones(grouped.shape[-1], dtype=self.norm_weight.dtype, device=u.device)
-        return ops.rms_norm(grouped, ones, eps=self.eps).reshape(shape) * self.norm_weight
+        return rms_norm(grouped, ones, eps=self.eps).reshape(shape) * self.norm_weight
 
     def _signed_ssd(self, xs, dt, a, bm, cm, initial_state, output_final_state, cu_seqlens, decoding):
         """The SSD step with ``a_t = 2 exp(dt_t A) - 1`` in (-1, 1) (``allow_neg_eigval``)."""
         # dt = 0 at padded positions gives a_t = 1: no decay, no input, no sign flip
-        g, v, parity = signed_decay_inputs(2.0 * torch.exp(dt * a) - 1.0, dt, xs, cu_seqlens)
+        offsets = cu_seqlens.cu_seqlens if isinstance(cu_seqlens, Packing) else cu_seqlens
+        g, v, parity = signed_decay_inputs(2.0 * torch.exp(dt * a) - 1.0, dt, xs, offsets)
         rep = self.num_heads // self.n_groups
         q, k = cm.repeat_interleave(rep, dim=2), bm.repeat_interleave(rep, dim=2)
-        kernel = ops.recurrent_simple_gla if decoding else ops.chunk_simple_gla
+        kernel = recurrent_simple_gla if decoding else chunk_simple_gla
         y, state = kernel(q, k, v, g, scale=1.0, initial_state=initial_state,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         y = y * parity.unsqueeze(-1).to(y.dtype)
         if state is not None:
-            state = state * last_parity(parity, cu_seqlens)[:, :, None, None]
+            state = state * last_parity(parity, offsets)[:, :, None, None]
         return y, state
 
     def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
@@ -173,7 +175,7 @@ class Mamba2(Mixer):
             y, state = self._signed_ssd(xs, dt, a, bm, cm, initial_state, layer_cache is not None, cu_seqlens,
                                         decoding)
         else:
-            kernel = ops.recurrent_ssd if decoding else ops.chunk_ssd
+            kernel = recurrent_ssd if decoding else chunk_ssd
             y, state = kernel(xs, dt, a, bm, cm, initial_state=initial_state,
                               output_final_state=layer_cache is not None, cu_seqlens=cu_seqlens)
         if layer_cache is not None:

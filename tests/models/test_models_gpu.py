@@ -155,3 +155,34 @@ def test_model_on_second_gpu_while_first_is_current(family):
     for (name, p), p_ref in zip(other.named_parameters(), ref.parameters()):
         diff = (p.grad.to("cuda:0").float() - p_ref.grad.float()).norm()
         assert diff <= 1e-2 * p_ref.grad.float().norm() + 1e-6, name
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_training_step_never_waits_for_the_gpu(packed):
+    """Once compiled and autotuned, a training step (bf16 autocast forward with the fused loss,
+    mean and summed, then backward) of a hybrid of every linear mixer and SWA makes no host
+    synchronisation: packing offsets given on the CPU, as the trainer's batches have them, are
+    indexed on the host and sent once, and no op reads a value back from the GPU."""
+    layers = ["gated_deltanet", "gla", "delta_net", "mamba2", "swa"]
+    model = make_model("gated_deltanet", dtype=torch.float32, num_hidden_layers=len(layers), layer_types=layers)
+    model.train()
+    if packed:
+        ids = torch.randint(0, VOCAB, (1, 400), device="cuda")
+        cu = torch.tensor([0, 1, 130, 130, 400], dtype=torch.int32)  # on the CPU
+    else:
+        ids, cu = torch.randint(0, VOCAB, (2, 200), device="cuda"), None
+
+    def step(num_items):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, cu_seqlens=cu, num_items_in_batch=num_items, return_logits=False).loss
+        loss.backward()
+
+    for num_items in (None, float(ids.numel())):
+        step(num_items)  # the first launches compile and autotune, which synchronise
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(num_items)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()

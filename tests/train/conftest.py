@@ -87,7 +87,7 @@ class StandIn(torch.nn.Module):
         h = self.norm(torch.tanh(self.proj(self.embed(input_ids))))
         logits = self.head(h)
         targets = torch.cat([labels[:, 1:], labels.new_full((1, 1), -100)], dim=1)
-        targets[0, cu_seqlens[1:].long() - 1] = -100
+        targets[0, cu_seqlens.cu_seqlens[1:].long() - 1] = -100  # the trainer passes a Packing
         loss = F.cross_entropy(logits[0].float(), targets[0], ignore_index=-100, reduction="sum") / num_items_in_batch
         if self.calls in self.nan_at:
             loss = loss * float("nan")
