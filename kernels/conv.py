@@ -64,10 +64,11 @@ def _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int
 
 
 @triton.jit
-def _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W: tl.constexpr, HAS_INIT: tl.constexpr):
-    """Input seen by tap offset s at tokens o_t: x[t - s] inside the sequence, else the state. # [BT, BD]"""
+def _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Input seen by tap offset s at tokens o_t: x[t - s] inside the sequence, else the state. # [BT, BD]
+    x's rows are ``s_xt`` elements apart (a column slice of a wider projection is read in place)."""
     m_x = m_t & (pos >= s)
-    o_x = (o_t - s).to(tl.int64) * D
+    o_x = (o_t - s).to(tl.int64) * s_xt
     b_x = tl.load(x + o_x[:, None] + o_d[None, :], mask=m_x[:, None] & m_d[None, :], other=0.0).to(tl.float32)
     if HAS_INIT:
         m_h = m_t & (pos < s)
@@ -90,6 +91,7 @@ def _preact(
     m_t,
     m_d,
     D,
+    s_xt,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr,
@@ -100,7 +102,7 @@ def _preact(
     b_a = tl.zeros([BT, BD], dtype=tl.float32)
     for s in tl.static_range(W):
         b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)  # [BD]
-        b_a += _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT) * b_w[None, :]
+        b_a += _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W, HAS_INIT) * b_w[None, :]
     if HAS_BIAS:
         b_a += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     return b_a
@@ -132,6 +134,8 @@ def _conv_fwd_kernel(
     cu,
     T,
     D,
+    s_xb,
+    s_xt,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr,
@@ -148,9 +152,9 @@ def _conv_fwd_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
     i_n, bos, _ = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
-    x += i_b.to(tl.int64) * T * D
+    x += i_b.to(tl.int64) * s_xb
     y += i_b.to(tl.int64) * T * D
-    b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
+    b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, s_xt, W, HAS_BIAS, HAS_INIT, BT, BD)
     p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
     m_td = m_t[:, None] & m_d[None, :]
     if GRAD:
@@ -182,6 +186,8 @@ def _conv_bwd_kernel(
     cu,
     T,
     D,
+    s_xb,
+    s_xt,
     NT,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -199,7 +205,7 @@ def _conv_bwd_kernel(
     m_t, m_d = o_t < T, o_d < D
     i_n, bos, eos = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
     pos = o_t - bos
-    x += i_b.to(tl.int64) * T * D
+    x += i_b.to(tl.int64) * s_xb
     dy += i_b.to(tl.int64) * T * D
     dx += i_b.to(tl.int64) * T * D
     # da(t) at this block's own tokens, for dw, db and the initial-state grad
@@ -208,7 +214,7 @@ def _conv_bwd_kernel(
     # partial sums of this block, reduced over blocks by the launcher: dw [B * NT, W, D], db [B * NT, D]
     i_p = (i_b * NT + i_t).to(tl.int64)
     for s in tl.static_range(W):
-        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT)
+        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W, HAS_INIT)
         tl.store(dw + (i_p * W + (W - 1 - s)) * D + o_d, tl.sum(b_da * b_src, axis=0), mask=m_d)
     if HAS_BIAS:
         tl.store(db + i_p * D + o_d, tl.sum(b_da, axis=0), mask=m_d)
@@ -291,17 +297,22 @@ def _varlen_meta(cu_seqlens, t: int, device):
     return torch.searchsorted(cu[1:], tok, right=True).to(torch.int32), cu
 
 
+def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, D]`` as the kernels read it: unit stride over D, any batch and token strides."""
+    return x if x.stride(2) == 1 or x.shape[2] == 1 else x.contiguous()
+
+
 def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bt, bd = _blocks(t, d, backward=False)
     grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
@@ -319,14 +330,14 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
         bt1, bd1 = _blocks(t, d, backward=False)
         _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=True, BT=bt1, BD=bd1, dy=dy, GRAD=True, num_warps=4,
         )  # fmt: skip
         dy = da
     bt, bd = _blocks(t, d, backward=True)
     nt = triton.cdiv(t, bt)
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)
     db = torch.zeros(b * nt, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
@@ -335,7 +346,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
-            cu if cu is not None else x, t, d, nt,
+            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), nt,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
             IS_VARLEN=cu is not None, BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
@@ -364,7 +375,9 @@ def _dfinal_to_init(dfinal, cu_seqlens, t: int, w: int):
 class _CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, cu_seqlens, activation):
-        x, weight = x.contiguous(), weight.contiguous()
+        # x may be a column slice of a wider projection (Mamba2's xBC): read in place, and saved
+        # as that view, so the backward keeps no copy of it
+        x, weight = _rows_in_place(x), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
         y = _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens)
         final = _final_state(x, init, cu_seqlens, weight.shape[1])
