@@ -30,7 +30,7 @@ from ttr.kernels.utils import check_cu_seqlens, check_dtype, check_rank, interpr
 ACTIVATIONS = (None, "silu")
 
 
-def _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int:
+def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int:
     """Validate causal_conv1d's arguments; return the number of sequences N."""
     check_rank("x", x, 3, "[B, T, D]")
     check_dtype("x", x)
@@ -297,12 +297,15 @@ def _varlen_meta(cu_seqlens, t: int, device):
     return torch.searchsorted(cu[1:], tok, right=True).to(torch.int32), cu
 
 
-def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
     """x ``[B, T, D]`` as the kernels read it: unit stride over D, any batch and token strides."""
     return x if x.stride(2) == 1 or x.shape[2] == 1 else x.contiguous()
 
 
-def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
+def conv_fwd(x, weight, bias, init, activation, cu_seqlens):
+    """The Triton forward: y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x as
+    ``rows_in_place`` gives it. Also a stage of ops that fuse the conv (``kernels.ssd``'s
+    ``chunk_conv_ssd``)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
@@ -319,7 +322,9 @@ def _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens):
     return y
 
 
-def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
+def conv_bwd(x, weight, bias, init, dy, dfinal, activation, cu_seqlens):
+    """The Triton backward: ``(dx, dweight, dbias, dinit)`` from the output gradient dy (contiguous)
+    and the final state's dfinal (or None)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(cu_seqlens, t, x.device)
@@ -377,9 +382,9 @@ class _CausalConv1dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, initial_state, cu_seqlens, activation):
         # x may be a column slice of a wider projection (Mamba2's xBC): read in place, and saved
         # as that view, so the backward keeps no copy of it
-        x, weight = _rows_in_place(x), weight.contiguous()
+        x, weight = rows_in_place(x), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
-        y = _triton_conv_fwd(x, weight, bias, init, activation, cu_seqlens)
+        y = conv_fwd(x, weight, bias, init, activation, cu_seqlens)
         final = _final_state(x, init, cu_seqlens, weight.shape[1])
         ctx.save_for_backward(x, weight, bias, init, cu_seqlens)
         ctx.activation = activation
@@ -392,7 +397,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = dfinal.contiguous() if dfinal is not None else None
-        dx, dw, db, dinit = _triton_conv_bwd(
+        dx, dw, db, dinit = conv_bwd(
             x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, cu_seqlens
         )
         return dx, dw, db, dinit, None, None
@@ -410,7 +415,7 @@ def reference_causal_conv1d(
     x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False
 ):
     """Per-token oracle: loops over sequences and tokens; computes in x's dtype promoted to fp32."""
-    _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
     b, t, d = x.shape
     w = weight.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
@@ -452,7 +457,7 @@ def _shift_index(cu_seqlens, b: int, t: int, device):
     return pos, seq
 
 
-def _torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state):
+def torch_causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state):
     """Vectorised torch version (autograd through gathers)."""
     b, t, d = x.shape
     w = weight.shape[1]
@@ -514,9 +519,9 @@ def causal_conv1d(
 
     Dispatches on ``kernel_backend(x)``.
     """
-    _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
     if kernel_backend(x) == "torch":
-        return _torch_causal_conv1d(
+        return torch_causal_conv1d(
             x, weight, bias, activation, cu_seqlens, initial_state, output_final_state
         )
     y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, cu_seqlens, activation)

@@ -7,7 +7,7 @@ import torch
 
 from ttr.kernels.gla.recurrent import recurrent_forward
 from ttr.kernels.gla.reference import check_gla_inputs
-from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
+from ttr.kernels.ssd.reference import check_ssd_inputs, skip, ssd_as_simple_gla
 
 
 def recurrent_simple_gla(
@@ -35,11 +35,13 @@ def recurrent_ssd(
     B: torch.Tensor,
     C: torch.Tensor,
     *,
+    D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
     """Mamba2 SSD token by token, for decoding; same arguments and result as ``chunk_ssd``."""
-    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens, D=D)
     q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
-    return recurrent_forward(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    y, final = recurrent_forward(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    return skip(y, x, D), final
