@@ -58,6 +58,10 @@ def chunk_ssd(*args, **kwargs):
     return _call("ssd", "chunk_ssd", args, kwargs)
 
 
+def chunk_conv_ssd(*args, **kwargs):
+    return _call("ssd", "chunk_conv_ssd", args, kwargs)
+
+
 def recurrent_ssd(*args, **kwargs):
     return _call("ssd", "recurrent_ssd", args, kwargs)
 

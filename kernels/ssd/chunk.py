@@ -17,10 +17,17 @@ chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
 ``chunk_ssd`` runs the same stages on Mamba2's inputs (``q = C, k = B, v = x dt, g = A dt``) as one
 autograd node, ``ChunkSSDFunction``: the stages read B and C by group (head h uses group
 ``h // (H / G)``, no ``[B, T, H, N]`` copies), the chunk cumsum multiplies by ``A`` as it sums, and
-``v = x dt`` is one row kernel (``scale_rows``); the backward's row kernel gives ``dx = dv dt`` and
-``ddt = sum_p dv x + A dg``, then ``dA = sum dg dt`` and the group sums of dB, dC. The same map as
-torch ops around simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries,
-``[B, T, H, N]`` group copies and sums, and one autograd node per op.
+``v = x dt`` is one row kernel (``scale_rows``); the skip ``y += D x`` is another, after the output
+stage. The backward's row kernel gives ``dx = dv dt + D dy`` and ``ddt = sum_p dv x + A dg``, then
+``dA = sum dg dt``, ``dD = sum dy x`` and the group sums of dB, dC. The same map as torch ops around
+simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]``
+group copies and sums, and one autograd node per op.
+
+Memory: the backward keeps x, B, C and dt only; ``v`` and the cumulative gate are recomputed (a
+row kernel and a chunk cumsum) rather than kept, since a layer's kept tensors, summed over every
+layer, bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
+Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
+input projection), and runs the conv again in the backward instead of keeping x, B and C.
 """
 
 from __future__ import annotations
