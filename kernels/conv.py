@@ -38,7 +38,7 @@ from ttr.kernels.utils import (
 ACTIVATIONS = (None, "silu")
 
 
-def _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int:
+def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int:
     """Validate causal_conv1d's arguments; return the number of sequences N."""
     check_rank("x", x, 3, "[B, T, D]")
     check_dtype("x", x)
@@ -72,10 +72,11 @@ def _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int
 
 
 @triton.jit
-def _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W: tl.constexpr, HAS_INIT: tl.constexpr):
-    """Input seen by tap offset s at tokens o_t: x[t - s] inside the sequence, else the state. # [BT, BD]"""
+def _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W: tl.constexpr, HAS_INIT: tl.constexpr):
+    """Input seen by tap offset s at tokens o_t: x[t - s] inside the sequence, else the state. # [BT, BD]
+    x's rows are ``s_xt`` elements apart (a column slice of a wider projection is read in place)."""
     m_x = m_t & (pos >= s)
-    o_x = (o_t - s).to(tl.int64) * D
+    o_x = (o_t - s).to(tl.int64) * s_xt
     b_x = tl.load(x + o_x[:, None] + o_d[None, :], mask=m_x[:, None] & m_d[None, :], other=0.0).to(tl.float32)
     if HAS_INIT:
         m_h = m_t & (pos < s)
@@ -98,6 +99,7 @@ def _preact(
     m_t,
     m_d,
     D,
+    s_xt,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr,
@@ -108,7 +110,7 @@ def _preact(
     b_a = tl.zeros([BT, BD], dtype=tl.float32)
     for s in tl.static_range(W):
         b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)  # [BD]
-        b_a += _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT) * b_w[None, :]
+        b_a += _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W, HAS_INIT) * b_w[None, :]
     if HAS_BIAS:
         b_a += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     return b_a
@@ -140,6 +142,8 @@ def _conv_fwd_kernel(
     cu,
     T,
     D,
+    s_xb,
+    s_xt,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr,
@@ -156,9 +160,9 @@ def _conv_fwd_kernel(
     o_d = i_d * BD + tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
     i_n, bos, _ = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
-    x += i_b.to(tl.int64) * T * D
+    x += i_b.to(tl.int64) * s_xb
     y += i_b.to(tl.int64) * T * D
-    b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, W, HAS_BIAS, HAS_INIT, BT, BD)
+    b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, s_xt, W, HAS_BIAS, HAS_INIT, BT, BD)
     p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
     m_td = m_t[:, None] & m_d[None, :]
     if GRAD:
@@ -190,6 +194,8 @@ def _conv_bwd_kernel(
     cu,
     T,
     D,
+    s_xb,
+    s_xt,
     NT,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -207,7 +213,7 @@ def _conv_bwd_kernel(
     m_t, m_d = o_t < T, o_d < D
     i_n, bos, eos = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
     pos = o_t - bos
-    x += i_b.to(tl.int64) * T * D
+    x += i_b.to(tl.int64) * s_xb
     dy += i_b.to(tl.int64) * T * D
     dx += i_b.to(tl.int64) * T * D
     # da(t) at this block's own tokens, for dw, db and the initial-state grad
@@ -216,7 +222,7 @@ def _conv_bwd_kernel(
     # partial sums of this block, reduced over blocks by the launcher: dw [B * NT, W, D], db [B * NT, D]
     i_p = (i_b * NT + i_t).to(tl.int64)
     for s in tl.static_range(W):
-        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s, W, HAS_INIT)
+        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W, HAS_INIT)
         tl.store(dw + (i_p * W + (W - 1 - s)) * D + o_d, tl.sum(b_da * b_src, axis=0), mask=m_d)
     if HAS_BIAS:
         tl.store(db + i_p * D + o_d, tl.sum(b_da, axis=0), mask=m_d)
@@ -295,24 +301,34 @@ def _varlen_meta(packing):
     return (None, None) if packing is None else (packing.seq_ids, packing.cu_seqlens)
 
 
-def _triton_conv_fwd(x, weight, bias, init, activation, packing):
+def rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, D]`` as the kernels read it: unit stride over D, any batch and token strides."""
+    return x if x.stride(2) == 1 or x.shape[2] == 1 else x.contiguous()
+
+
+def conv_fwd(x, weight, bias, init, activation, packing):
+    """The Triton forward: y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x as
+    ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None. Also a stage of ops that fuse
+    the conv (``kernels.ssd``'s ``chunk_conv_ssd``)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bt, bd = _blocks(t, d, backward=False)
     grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
     return y
 
 
-def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
+def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
+    """The Triton backward: ``(dx, dweight, dbias, dinit)`` from the output gradient dy (contiguous)
+    and the final state's dfinal (or None)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
@@ -323,14 +339,14 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
         bt1, bd1 = _blocks(t, d, backward=False)
         _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d,
+            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=True, BT=bt1, BD=bd1, dy=dy, GRAD=True, num_warps=4,
         )  # fmt: skip
         dy = da
     bt, bd = _blocks(t, d, backward=True)
     nt = triton.cdiv(t, bt)
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)
     db = torch.zeros(b * nt, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
@@ -339,7 +355,7 @@ def _triton_conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
-            cu if cu is not None else x, t, d, nt,
+            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), nt,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
             IS_VARLEN=cu is not None, BT=bt, BD=bd, num_warps=4,
         )  # fmt: skip
@@ -368,9 +384,11 @@ def _dfinal_to_init(dfinal, packing, t: int, w: int):
 class _CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, packing, activation):
-        x, weight = x.contiguous(), weight.contiguous()
+        # x may be a column slice of a wider projection (Mamba2's xBC): read in place, and saved
+        # as that view, so the backward keeps no copy of it
+        x, weight = rows_in_place(x), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
-        y = _triton_conv_fwd(x, weight, bias, init, activation, packing)
+        y = conv_fwd(x, weight, bias, init, activation, packing)
         final = _final_state(x, init, packing, weight.shape[1])
         ctx.save_for_backward(x, weight, bias, init)
         ctx.packing, ctx.activation = packing, activation
@@ -383,7 +401,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = dfinal.contiguous() if dfinal is not None else None
-        dx, dw, db, dinit = _triton_conv_bwd(
+        dx, dw, db, dinit = conv_bwd(
             x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing
         )
         return dx, dw, db, dinit, None, None
@@ -401,7 +419,7 @@ def reference_causal_conv1d(
     Returns:
         ``(y [B, T, D] in x's dtype, final_state [N, D, W-1] in x's dtype or None)``; differentiable.
     """
-    _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
     b, t, d = x.shape
     w = weight.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
@@ -441,7 +459,7 @@ def _shift_index(packing, b: int, t: int, device):
     return pos, seq
 
 
-def _torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state):
+def torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state):
     """Vectorised torch version (autograd through gathers)."""
     b, t, d = x.shape
     w = weight.shape[1]
@@ -518,10 +536,10 @@ def causal_conv1d(
         or None without ``output_final_state``. Gradients flow to x, weight, bias and
         initial_state.
     """
-    _check_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
     packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, x.shape[1], device=x.device)
     if kernel_backend(x) == "torch":
-        return _torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state)
+        return torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state)
     y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, packing, activation)
     return y, final if output_final_state else None
 

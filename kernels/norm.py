@@ -5,20 +5,33 @@ Over the last dimension D of ``x [..., D]`` with fp32 statistics::
 
     rstd = 1 / sqrt(mean(x^2) + eps)
     rms_norm(x, w)          = x * rstd * w
-    gated_rms_norm(x, z, w) = x * rstd * w * silu(z)      (Mamba2's norm-before-gate form)
+    gated_rms_norm(x, z, w) = x * rstd * w * silu(z)      (norm before the gate: Gated DeltaNet, GLA)
+
+``gated_rms_norm(..., norm_before_gate=False)`` gates first, ``u = x * silu(z)``, and normalises
+``u``: ``u * rstd(u) * w``, the output norm of Mamba2 (arXiv:2405.21060, Sec. 7.3, mamba_ssm's
+``norm_before_gate=False``). ``groups=G`` takes the statistics over each of G equal slices of D
+(Mamba2 with ``n_groups > 1`` normalises per group of heads); the weight stays ``[D]``.
 
 ``l2_norm(x) = x / sqrt(sum(x^2) + eps)`` is ``rms_norm(x, w = 1/sqrt(D))`` with ``eps / D``, so it
 runs through the same kernels (the constant weight's gradient is dropped).
 
-Outputs have x's dtype (rms_norm: ``out_dtype`` when given). Backward (xhat = x * rstd, dy' = dy * silu(z) for the gated form)::
+Outputs have x's dtype (rms_norm: ``out_dtype`` when given). Backward, with ``u`` the normalised
+input (x, or x * silu(z) when gating first), uhat = u * rstd and dy' the gradient reaching
+``uhat * w`` (dy * silu(z) when the gate comes after the norm, else dy)::
 
-    dx = rstd * (w * dy' - xhat * mean(xhat * w * dy'))
-    dz = dy * xhat * w * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
-    dw = sum over rows of dy' * xhat
+    du = rstd * (w * dy' - uhat * mean(uhat * w * dy'))     (mean over the row's group)
+    gate after:  dx = du,            dz = dy * uhat * w * silu'(z)
+    gate first:  dx = du * silu(z),  dz = du * x * silu'(z)
+    dw = sum over rows of dy' * uhat,     silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))
 
-The Triton kernels hold a block of rows x the whole row (about 4096 elements, so D up to 8192 is
-one row per block and per-head norms of D = 128 take 32 rows); the backward kernel walks a strided
-set of row blocks per program and writes one fp32 partial dw per program, reduced with torch.
+Only x, z and rstd are kept for the backward (``u`` is recomputed), and z is read in place when it
+is a column slice of a wider tensor with unit stride over D (Mamba2's gate is a slice of its input
+projection): a copy would be a second tensor of z's size kept alive until the backward.
+
+The Triton kernels hold a block of rows x one group (about 4096 elements, so D up to 8192 is one
+row per block and per-head norms of D = 128 take 32 rows); program axis 1 is the group. The
+backward kernel walks a strided set of row blocks per program and writes one fp32 partial dw per
+program, reduced with torch.
 """
 
 from __future__ import annotations
@@ -43,56 +56,76 @@ def _num_warps(elements: int) -> int:
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x, z, w, y, rstd, R, D, eps, HAS_Z: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
+    x, z, w, y, rstd, R, D, s_z, eps,
+    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    i_p = tl.program_id(0)
+    """Rows of ``G * D`` elements (x, y contiguous; z's rows ``s_z`` apart), group ``program_id(1)``
+    of D elements; ``rstd`` is ``[R, G]``."""
+    i_p, i_g, G = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     o_r = i_p * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_r, m_d = o_r < R, o_d < D
     m_rd = m_r[:, None] & m_d[None, :]
-    o_rd = o_r.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD]
+    o_rd = o_r.to(tl.int64)[:, None] * (G * D) + i_g * D + o_d[None, :]  # [BR, BD]
     b_x = tl.load(x + o_rd, mask=m_rd, other=0.0).to(tl.float32)
-    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BR]
-    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-    b_y = b_x * b_rstd[:, None] * b_w[None, :]
     if HAS_Z:
-        b_z = tl.load(z + o_rd, mask=m_rd, other=0.0).to(tl.float32)
-        b_y = b_y * b_z * tl.sigmoid(b_z)
+        o_z = o_r.to(tl.int64)[:, None] * s_z + i_g * D + o_d[None, :]
+        b_z = tl.load(z + o_z, mask=m_rd, other=0.0).to(tl.float32)
+        b_gate = b_z * tl.sigmoid(b_z)
+        if GATE_FIRST:
+            b_x = b_x * b_gate
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BR]
+    b_w = tl.load(w + i_g * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_y = b_x * b_rstd[:, None] * b_w[None, :]
+    if HAS_Z and not GATE_FIRST:
+        b_y = b_y * b_gate
     tl.store(y + o_rd, b_y.to(y.dtype.element_ty), mask=m_rd)
-    tl.store(rstd + o_r, b_rstd, mask=m_r)
+    tl.store(rstd + o_r * G + i_g, b_rstd, mask=m_r)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, dx, dz, dw, R, D, HAS_Z: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
+    x, z, w, dy, rstd, dx, dz, dw, R, D, s_z,
+    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    """Program i_p handles row blocks i_p, i_p + G, ... (G programs) and writes one dw partial."""
+    """Program (i_p, i_g) handles group i_g of row blocks i_p, i_p + P, ... (P programs on axis 0)
+    and writes one dw partial of that group."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
+    i_g, G = tl.program_id(1), tl.num_programs(1)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+    b_w = tl.load(w + i_g * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
     b_dw = tl.zeros([BR, BD], dtype=tl.float32)
     for i_blk in range(i_p, tl.cdiv(R, BR), n_p):
         o_r = i_blk * BR + tl.arange(0, BR)
         m_r = o_r < R
         m_rd = m_r[:, None] & m_d[None, :]
-        o_rd = o_r.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD]
+        o_rd = o_r.to(tl.int64)[:, None] * (G * D) + i_g * D + o_d[None, :]  # [BR, BD]
         b_x = tl.load(x + o_rd, mask=m_rd, other=0.0).to(tl.float32)
         b_dy = tl.load(dy + o_rd, mask=m_rd, other=0.0).to(tl.float32)
-        b_rstd = tl.load(rstd + o_r, mask=m_r, other=0.0)  # [BR]
-        b_xhat = b_x * b_rstd[:, None]
+        b_rstd = tl.load(rstd + o_r * G + i_g, mask=m_r, other=0.0)  # [BR]
         if HAS_Z:
-            b_z = tl.load(z + o_rd, mask=m_rd, other=0.0).to(tl.float32)
+            o_z = o_r.to(tl.int64)[:, None] * s_z + i_g * D + o_d[None, :]
+            b_z = tl.load(z + o_z, mask=m_rd, other=0.0).to(tl.float32)
             b_sig = tl.sigmoid(b_z)
-            b_dz = b_dy * b_xhat * b_w[None, :] * b_sig * (1.0 + b_z * (1.0 - b_sig))
-            tl.store(dz + o_rd, b_dz.to(dz.dtype.element_ty), mask=m_rd)
-            b_dy = b_dy * b_z * b_sig
-        b_dw += b_dy * b_xhat
+            b_gate = b_z * b_sig
+            b_dgate = b_sig * (1.0 + b_z * (1.0 - b_sig))  # silu'(z)
+        if HAS_Z and GATE_FIRST:
+            b_uhat = b_x * b_gate * b_rstd[:, None]
+        else:
+            b_uhat = b_x * b_rstd[:, None]
+        if HAS_Z and not GATE_FIRST:
+            tl.store(dz + o_rd, (b_dy * b_uhat * b_w[None, :] * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
+            b_dy = b_dy * b_gate
+        b_dw += b_dy * b_uhat
         b_wdy = b_dy * b_w[None, :]
-        b_c = tl.sum(b_wdy * b_xhat, axis=1) / D  # [BR]
-        b_dx = b_rstd[:, None] * (b_wdy - b_xhat * b_c[:, None])
-        tl.store(dx + o_rd, b_dx.to(dx.dtype.element_ty), mask=m_rd)
-    tl.store(dw + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+        b_c = tl.sum(b_wdy * b_uhat, axis=1) / D  # [BR]
+        b_du = b_rstd[:, None] * (b_wdy - b_uhat * b_c[:, None])
+        if HAS_Z and GATE_FIRST:
+            tl.store(dz + o_rd, (b_du * b_x * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
+            b_du = b_du * b_gate
+        tl.store(dx + o_rd, b_du.to(dx.dtype.element_ty), mask=m_rd)
+    tl.store(dw + i_p * G * D + i_g * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
 def _bwd_programs(blocks: int, device: torch.device) -> int:
@@ -101,58 +134,67 @@ def _bwd_programs(blocks: int, device: torch.device) -> int:
     return max(1, min(blocks, 4))
 
 
-def _triton_fwd(x2, z2, w, eps, out_dtype=None):
-    rows, d = x2.shape
+def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1):
+    rows, d = x2.shape[0], x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
     br = _block_rows(bd)
     y = torch.empty_like(x2, dtype=out_dtype or x2.dtype)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty(rows, groups, dtype=torch.float32, device=x2.device)
     if rows:
-        _rms_norm_fwd_kernel[(triton.cdiv(rows, br),)](
-            x2, z2 if z2 is not None else x2, w, y, rstd, rows, d, eps,
-            HAS_Z=z2 is not None, BR=br, BD=bd, num_warps=_num_warps(br * bd),
+        _rms_norm_fwd_kernel[(triton.cdiv(rows, br), groups)](
+            x2, z2 if z2 is not None else x2, w, y, rstd, rows, d, z2.stride(0) if z2 is not None else 0, eps,
+            HAS_Z=z2 is not None, GATE_FIRST=gate_first, BR=br, BD=bd, num_warps=_num_warps(br * bd),
         )  # fmt: skip
     return y, rstd
 
 
-def _triton_bwd(x2, z2, w, dy2, rstd):
-    rows, d = x2.shape
+def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False):
+    rows, groups = rstd.shape
+    d = x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
     br = _block_rows(bd)
     dx = torch.empty_like(x2)
-    dz = torch.empty_like(z2) if z2 is not None else None
+    dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
     progs = _bwd_programs(triton.cdiv(rows, br), x2.device)
-    dw = torch.zeros(progs, d, dtype=torch.float32, device=x2.device)
+    dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
     if rows:
-        _rms_norm_bwd_kernel[(progs,)](
+        _rms_norm_bwd_kernel[(progs, groups)](
             x2, z2 if z2 is not None else x2, w, dy2, rstd, dx, dz if dz is not None else dx, dw,
-            rows, d, HAS_Z=z2 is not None, BR=br, BD=bd, num_warps=_num_warps(br * bd),
+            rows, d, z2.stride(0) if z2 is not None else 0,
+            HAS_Z=z2 is not None, GATE_FIRST=gate_first, BR=br, BD=bd, num_warps=_num_warps(br * bd),
         )  # fmt: skip
     return dx, dz, dw.sum(0).to(w.dtype)
 
 
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t [..., d]`` as ``[rows, d]`` with unit stride over d, a view where one exists."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(1) == 1 or d == 1 else t2.contiguous()
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, z, weight, eps, out_dtype=None):
+    def forward(ctx, x, z, weight, eps, out_dtype=None, norm_before_gate=True, groups=1):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        z2 = z.reshape(-1, shape[-1]).contiguous() if z is not None else None
+        z2 = _rows(z, shape[-1]) if z is not None else None
         w = weight.contiguous()
-        y, rstd = _triton_fwd(x2, z2, w, eps, out_dtype)
+        gate_first = z is not None and not norm_before_gate
+        y, rstd = _triton_fwd(x2, z2, w, eps, out_dtype, gate_first, groups)
         ctx.save_for_backward(x2, z2, w, rstd)
-        ctx.shape = shape
+        ctx.shape, ctx.gate_first = shape, gate_first
         return y.reshape(shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, z2, w, rstd = ctx.saved_tensors
         dy2 = dy.reshape(x2.shape).contiguous()
-        dx, dz, dw = _triton_bwd(x2, z2, w, dy2, rstd)
+        dx, dz, dw = _triton_bwd(x2, z2, w, dy2, rstd, ctx.gate_first)
         dz = dz.reshape(ctx.shape) if dz is not None else None
-        return dx.reshape(ctx.shape), dz, dw, None, None
+        return dx.reshape(ctx.shape), dz, dw, None, None, None, None
 
 
-def _check(x, z, weight, eps, out_dtype=None) -> None:
+def _check(x, z, weight, eps, out_dtype=None, groups=1) -> None:
     check_dtype("x", x)
     if out_dtype is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype!r}")
@@ -170,17 +212,25 @@ def _check(x, z, weight, eps, out_dtype=None) -> None:
             raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or d % groups:
+        raise ValueError(f"groups must be a positive integer dividing x's last dim D={d}, got {groups!r}")
     for name, other in (("weight", weight), ("z", z)):
         if other is not None and other.device != x.device:
             raise ValueError(f"{name} is on {other.device} but x is on {x.device}")
 
 
-def _torch_norm(x, z, weight, eps, out_dtype=None):
+def _torch_norm(x, z, weight, eps, out_dtype=None, norm_before_gate=True, groups=1):
     """Autograd through plain torch ops, fp32 (fp64 for fp64 inputs) statistics."""
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)
-    if z is not None:
+    if z is not None and not norm_before_gate:
+        xf = xf * torch.nn.functional.silu(z.to(dt))
+    if groups == 1:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)
+    else:
+        xg = xf.unflatten(-1, (groups, -1))
+        y = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * weight.to(dt)
+    if z is not None and norm_before_gate:
         y = y * torch.nn.functional.silu(z.to(dt))
     return y.to(out_dtype or x.dtype)
 
@@ -200,20 +250,24 @@ def reference_rms_norm(x, weight, *, eps=1e-6):
     return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.to(dt)).to(x.dtype)
 
 
-def reference_gated_rms_norm(x, z, weight, *, eps=1e-6):
-    """Oracle: rms_norm(x) * weight * z * sigmoid(z) in x's dtype promoted to fp32.
+def reference_gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
+    """Oracle: ``rms_norm(x) * weight * z * sigmoid(z)`` (or ``rms_norm(x * z * sigmoid(z)) *
+    weight`` without ``norm_before_gate``), statistics per group, in x's dtype promoted to fp32.
 
     Args:
-        x, z, weight, eps: as in ``gated_rms_norm``.
+        x, z, weight, eps, norm_before_gate, groups: as in ``gated_rms_norm``.
 
     Returns:
         ``[..., D]`` in x's dtype; differentiable.
     """
-    _check(x, z, weight, eps)
+    _check(x, z, weight, eps, groups=groups)
     dt = torch.promote_types(x.dtype, torch.float32)
     xf, zf = x.to(dt), z.to(dt)
-    normed = xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.to(dt)
-    return (normed * zf * torch.sigmoid(zf)).to(x.dtype)
+    gate = zf * torch.sigmoid(zf)
+    u = xf if norm_before_gate else xf * gate
+    ug = u.reshape(*u.shape[:-1], groups, u.shape[-1] // groups)
+    normed = (ug / torch.sqrt((ug * ug).sum(-1, keepdim=True) / ug.shape[-1] + eps)).reshape(u.shape) * weight.to(dt)
+    return (normed * gate if norm_before_gate else normed).to(x.dtype)
 
 
 def reference_l2_norm(x, *, eps=1e-6):
@@ -275,19 +329,25 @@ def rms_norm(x, weight, *, eps=1e-6, out_dtype=None):
 
 
 @on_input_device
-def gated_rms_norm(x, z, weight, *, eps=1e-6):
-    """``rms_norm(x) * weight * silu(z)`` over the last dim (the output gate of Mamba2 and Gated DeltaNet).
+def gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
+    """``rms_norm(x) * weight * silu(z)`` over the last dim (the output gate of Gated DeltaNet), or
+    ``rms_norm(x * silu(z)) * weight`` (Mamba2's output norm, ``norm_before_gate=False``).
 
     Args:
         x: ``[..., D]`` (fp32, fp16 or bf16; float64 on the torch backend).
-        z: the gate, x's shape.
+        z: the gate, x's shape; may be a column slice of a wider tensor (unit stride over the
+            last dim): it is read in place.
         weight: ``[D]``.
         eps: added to the mean square.
+        norm_before_gate: normalise x, then gate (True), or gate, then normalise (False).
+        groups: statistics over each of ``groups`` equal slices of the last dim.
 
     Returns:
         ``[..., D]`` in x's dtype; gradients flow to x, z and weight.
     """
-    _check(x, z, weight, eps)
+    _check(x, z, weight, eps, groups=groups)
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
     if kernel_backend(x) == "torch":
-        return _torch_norm(x, z, weight, eps)
-    return _RMSNormFunction.apply(x, z, weight, float(eps))
+        return _torch_norm(x, z, weight, eps, None, norm_before_gate, groups)
+    return _RMSNormFunction.apply(x, z, weight, float(eps), None, norm_before_gate, groups)

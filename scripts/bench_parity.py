@@ -169,32 +169,37 @@ def swap_in_reference_kernels(config) -> None:
     Mamba2), leaving the rest of ttr's model as it is. A diagnostic: when a family trains behind its
     reference, this run says whether the kernels are the cause (it then follows the reference's
     curve) or the layers around them (it stays with ttr's)."""
-    from ttr.models import ops
-
+    from ttr.models.layers import delta_net, gated_deltanet, gla, mamba2
     from ttr.scripts.reference_models import family_of
 
     family = family_of(config)
     if family in ("gated_deltanet", "gated_deltanet_h1"):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        ops.chunk_gated_delta_rule = chunk_gated_delta_rule
+        gated_deltanet.chunk_gated_delta_rule = chunk_gated_delta_rule
     elif family == "delta_net":
         from fla.ops.delta_rule import chunk_delta_rule
 
-        ops.chunk_delta_rule = chunk_delta_rule
+        delta_net.chunk_delta_rule = chunk_delta_rule
     elif family == "gla":
         from fla.ops.gla import chunk_gla
 
-        ops.chunk_gla = chunk_gla
+        gla.chunk_gla = chunk_gla
     elif family == "mamba2":
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
-        def chunk_ssd(x, dt, A, B, C, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+        from ttr.kernels.conv import causal_conv1d
+        from ttr.kernels.ssd.reference import xbc_views
+
+        def chunk_conv_ssd(xbc, conv_weight, conv_bias, dt, A, *, groups, state_size, D=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None):
             if initial_state is not None or output_final_state or cu_seqlens is not None:
                 raise ValueError("the swapped SSD trains plain batches only")
-            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64), None
+            y, _ = causal_conv1d(xbc, conv_weight, conv_bias, activation="silu")
+            x, B, C = xbc_views(y, dt.shape[2], groups, state_size)
+            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64, D=D), None
 
-        ops.chunk_ssd = chunk_ssd
+        mamba2.chunk_conv_ssd = chunk_conv_ssd
     else:
         raise ValueError(f"no reference kernel to swap in for {family}")
 

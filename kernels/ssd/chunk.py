@@ -17,10 +17,17 @@ chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
 ``chunk_ssd`` runs the same stages on Mamba2's inputs (``q = C, k = B, v = x dt, g = A dt``) as one
 autograd node, ``ChunkSSDFunction``: the stages read B and C by group (head h uses group
 ``h // (H / G)``, no ``[B, T, H, N]`` copies), the chunk cumsum multiplies by ``A`` as it sums, and
-``v = x dt`` is one row kernel (``scale_rows``); the backward's row kernel gives ``dx = dv dt`` and
-``ddt = sum_p dv x + A dg``, then ``dA = sum dg dt`` and the group sums of dB, dC. The same map as
-torch ops around simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries,
-``[B, T, H, N]`` group copies and sums, and one autograd node per op.
+``v = x dt`` is one row kernel (``scale_rows``); the skip ``y += D x`` is another, after the output
+stage. The backward's row kernel gives ``dx = dv dt + D dy`` and ``ddt = sum_p dv x + A dg``, then
+``dA = sum dg dt``, ``dD = sum dy x`` and the group sums of dB, dC. The same map as torch ops around
+simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]``
+group copies and sums, and one autograd node per op.
+
+Memory: the backward keeps x, B, C and dt only; ``v`` and the cumulative gate are recomputed (a
+row kernel and a chunk cumsum) rather than kept, since a layer's kept tensors, summed over every
+layer, bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
+Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
+input projection), and runs the conv again in the backward instead of keeping x, B and C.
 """
 
 from __future__ import annotations
@@ -30,12 +37,19 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import keep_states, prepare_chunks
+from ttr.kernels.common.index import keep_states, prepare_chunks, prepare_packing
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
+from ttr.kernels.conv import conv_bwd, conv_fwd, rows_in_place, torch_causal_conv1d
 from ttr.kernels.gla.reference import check_gla_inputs
-from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
+from ttr.kernels.ssd.reference import (
+    check_conv_ssd_inputs,
+    check_ssd_inputs,
+    skip,
+    ssd_as_simple_gla,
+    xbc_views,
+)
 from ttr.kernels.utils import kernel_backend, on_input_device
 
 
@@ -80,37 +94,54 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 
 @triton.jit
-def _rows(x, dt, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    """This program's BR rows of x ``[R, P]`` (fp32) and dt ``[R]``, with offsets and masks."""
+def _rows(x, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+    """This program's BR rows of x ``[R, P]`` (fp32), with offsets and masks."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BP)
     m_r = rows < R
     m = m_r[:, None] & (cols[None, :] < P)
     offs = rows.to(tl.int64)[:, None] * P + cols[None, :]
-    b_x = tl.load(x + offs, mask=m, other=0.).to(tl.float32)
-    return rows, offs, m_r, m, b_x, tl.load(dt + rows, mask=m_r, other=0.)
+    return rows, offs, m_r, m, tl.load(x + offs, mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit
 def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
+    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
+    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
     tl.store(v + offs, (b_x * b_dt[:, None]).to(v.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def scale_rows_bwd_kernel(x, dt, dv, dg, A, dx, ddt, dA, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr,
-                          BP: tl.constexpr, BH: tl.constexpr):
-    """``dx = dv dt``, ``ddt = sum_p dv x + dg A[h]`` and this program's part of ``dA[h] = sum dg dt``
-    (row r = (b, t, h) of ``[B, T, H]``: the gate ``g = A dt`` shares dt's rows; ``dA`` is
-    ``[programs, H]``, summed by the caller)."""
-    rows, offs, m_r, m, b_x, b_dt = _rows(x, dt, R, P, BR, BP)
+def skip_rows_kernel(x, D, o, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
+    """``o += D[h] x`` in fp32, one rounding (row r = (b, t, h))."""
+    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
+    b_o = tl.load(o + offs, mask=m, other=0.).to(tl.float32)
+    b_d = tl.load(D + rows % H, mask=m_r, other=0.)
+    tl.store(o + offs, (b_o + b_d[:, None] * b_x).to(o.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def scale_rows_bwd_kernel(x, dt, dv, dg, A, do, D, dx, ddt, dA, dD, R, H: tl.constexpr, P: tl.constexpr,
+                          BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr, HAS_D: tl.constexpr):
+    """``dx = dv dt (+ D[h] do)``, ``ddt = sum_p dv x + dg A[h]`` and this program's parts of
+    ``dA[h] = sum dg dt`` (and ``dD[h] = sum do x``) (row r = (b, t, h) of ``[B, T, H]``: the gate
+    ``g = A dt`` shares dt's rows; ``dA`` and ``dD`` are ``[programs, H]``, summed by the caller)."""
+    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
+    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
     b_dv = tl.load(dv + offs, mask=m, other=0.).to(tl.float32)
-    tl.store(dx + offs, (b_dv * b_dt[:, None]).to(dx.dtype.element_ty), mask=m)
-    b_dg = tl.load(dg + rows, mask=m_r, other=0.)
+    b_dx = b_dv * b_dt[:, None]
     b_h = rows % H
-    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg * tl.load(A + b_h, mask=m_r, other=0.), mask=m_r)
     o_h = tl.arange(0, BH)
-    b_da = tl.sum(tl.where(b_h[:, None] == o_h[None, :], (b_dg * b_dt)[:, None], 0.), 0)  # [BH]
+    m_h = b_h[:, None] == o_h[None, :]  # [BR, BH]
+    if HAS_D:
+        b_do = tl.load(do + offs, mask=m, other=0.).to(tl.float32)
+        b_dx += tl.load(D + b_h, mask=m_r, other=0.)[:, None] * b_do
+        b_dd = tl.sum(tl.where(m_h, tl.sum(b_do * b_x, 1)[:, None], 0.), 0)  # [BH]
+        tl.store(dD + tl.program_id(0) * H + o_h, b_dd, mask=o_h < H)
+    tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
+    b_dg = tl.load(dg + rows, mask=m_r, other=0.)
+    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg * tl.load(A + b_h, mask=m_r, other=0.), mask=m_r)
+    b_da = tl.sum(tl.where(m_h, (b_dg * b_dt)[:, None], 0.), 0)  # [BH]
     tl.store(dA + tl.program_id(0) * H + o_h, b_da, mask=o_h < H)
 
 
@@ -125,43 +156,116 @@ def _group_sum(dy: torch.Tensor, groups: int) -> torch.Tensor:
     return dy if groups == H else dy.view(B, T, groups, H // groups, N).sum(3)
 
 
+def _values(x, dt):
+    """``v = x dt`` (x's dtype), the simple-GLA values of SSD; the backward recomputes it rather than
+    keeping a second tensor of x's size."""
+    v = torch.empty_like(x)
+    BP, BR = _scale_rows_launch(x.shape[-1])
+    scale_rows_fwd_kernel[(triton.cdiv(dt.numel(), BR),)](x, dt, v, dt.numel(), P=x.shape[-1], BR=BR, BP=BP)
+    return v
+
+
+def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
+    """``(y, final state, h if kept else None)`` of SSD on contiguous inputs, ``y = SSD + D x``. The
+    stages read B and C by group (``[batch, T, G, N]``: head h uses group ``h // (H / G)``)."""
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    o, final, h = _forward(C, B, _values(x, dt), gc, initial_state, 1.0, output_final_state, plan)
+    if D is not None:
+        BP, BR = _scale_rows_launch(x.shape[-1])
+        skip_rows_kernel[(triton.cdiv(dt.numel(), BR),)](x, D, o, dt.numel(), H=x.shape[2], P=x.shape[-1], BR=BR,
+                                                          BP=BP)
+    return o, final, h
+
+
+def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
+    """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; ``v`` and the cumulative gate are
+    recomputed (one row kernel and one chunk cumsum) instead of kept."""
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    do = do.contiguous()
+    dq, dk, dv, dgc, dh0 = _backward(C, B, _values(x, dt), gc, initial_state, h, do, dht, plan, 1.0)
+    dg = chunk_local_cumsum(dgc, plan, reverse=True)  # d/d(A dt)
+    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
+    BP, BR = _scale_rows_launch(P)
+    dA = dt.new_empty(triton.cdiv(R, BR), H)
+    dD = torch.empty_like(dA) if D is not None else None
+    scale_rows_bwd_kernel[(dA.shape[0],)](x, dt, dv, dg, A, do, D if D is not None else A, dx, ddt, dA,
+                                          dD if dD is not None else dA, R, H=H, P=P, BR=BR, BP=BP,
+                                          BH=triton.next_power_of_2(H), HAS_D=D is not None)
+    G = B.shape[2]
+    return (dx, ddt, dA.sum(0), _group_sum(dk, G), _group_sum(dq, G), dD.sum(0) if dD is not None else None,
+            dh0)
+
+
 class ChunkSSDFunction(torch.autograd.Function):
     """Mamba2's SSD as one autograd node over simple GLA's stages (module docstring). The map costs no
     torch passes in the forward: the stages read B and C by group (``tile.qk_rows``), ``A dt`` is
     summed by the chunk cumsum and ``x dt`` is one row kernel; the backward adds the row kernel
-    (``dx`` and both parts of ``ddt``), the group sums of dB and dC and ``dA``."""
+    (``dx`` and both parts of ``ddt``, ``dD``), the group sums of dB and dC and ``dA``. Kept for the
+    backward: x, dt, B, C (and the states of long sequences)."""
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens):
         x, dt, A, B, C = (y.contiguous() for y in (x, dt, A, B, C))
+        D = None if D is None else D.contiguous()
         initial_state = None if initial_state is None else initial_state.contiguous()
-        batch, T, H, P = x.shape
-        plan = prepare_chunks(cu_seqlens, batch, T, device=x.device)
-        q, k = C, B  # [batch, T, G, N]: the kernels read head h's group h // (H / G)
-        v = torch.empty_like(x)
-        BP, BR = _scale_rows_launch(P)
-        scale_rows_fwd_kernel[(triton.cdiv(dt.numel(), BR),)](x, dt, v, dt.numel(), P=P, BR=BR, BP=BP)
-        gc = chunk_local_cumsum(dt, plan, scale=A)
-        o, final, h = _forward(q, k, v, gc, initial_state, 1.0, output_final_state, plan)
-        ctx.save_for_backward(x, dt, A, q, k, v, gc, initial_state, h)
+        plan = prepare_chunks(cu_seqlens, x.shape[0], x.shape[1], device=x.device)
+        o, final, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, h)
         ctx.plan = plan
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        x, dt, A, q, k, v, gc, initial_state, h = ctx.saved_tensors
-        plan = ctx.plan
-        dq, dk, dv, dgc, dh0 = _backward(q, k, v, gc, initial_state, h, do, dht, plan, 1.0)
-        dg = chunk_local_cumsum(dgc, plan, reverse=True)  # d/d(A dt)
-        dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-        R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
-        BP, BR = _scale_rows_launch(P)
-        dA = dt.new_empty(triton.cdiv(R, BR), H)
-        scale_rows_bwd_kernel[(dA.shape[0],)](x, dt, dv, dg, A, dx, ddt, dA, R, H=H, P=P, BR=BR, BP=BP,
-                                              BH=triton.next_power_of_2(H))
-        dA = dA.sum(0)
-        G = k.shape[2]
-        return dx, ddt, dA, _group_sum(dk, G), _group_sum(dq, G), dh0, None, None
+        x, dt, A, B, C, D, initial_state, h = ctx.saved_tensors
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, ctx.plan)
+        return dx, ddt, dA, dB, dC, dD, dh0, None, None
+
+
+def _split_xbc(xbc, heads: int, groups: int, state_size: int):
+    """Contiguous ``x``, ``B``, ``C`` of the conv's output (the stages read contiguous rows)."""
+    return tuple(t.contiguous() for t in xbc_views(xbc, heads, groups, state_size))
+
+
+class ChunkConvSSDFunction(torch.autograd.Function):
+    """Mamba2's short conv (SiLU) over xBC, then SSD, as one autograd node that keeps the conv's
+    input and not its output: the backward runs the conv's forward again (a depthwise conv of width
+    W, cheap next to SSD) instead of keeping x, B and C, a tensor of xBC's size per layer. The input
+    is read in place when it is a column slice of the layer's input projection, which the layer
+    keeps anyway for its gate."""
+
+    @staticmethod
+    def forward(ctx, xbc, conv_weight, conv_bias, dt, A, D, initial_state, output_final_state, cu_seqlens, groups,
+                state_size):
+        xbc, conv_weight = rows_in_place(xbc), conv_weight.contiguous()
+        dt, A = dt.contiguous(), A.contiguous()
+        D = None if D is None else D.contiguous()
+        initial_state = None if initial_state is None else initial_state.contiguous()
+        packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, xbc.shape[1], device=xbc.device)
+        plan = prepare_chunks(packing, xbc.shape[0], xbc.shape[1], device=xbc.device)
+        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", packing), dt.shape[2], groups,
+                             state_size)
+        o, final, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, h)
+        ctx.plan, ctx.packing, ctx.groups, ctx.state_size = plan, packing, groups, state_size
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        xbc, conv_weight, conv_bias, dt, A, D, initial_state, h = ctx.saved_tensors
+        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing), dt.shape[2],
+                             ctx.groups, ctx.state_size)
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, ctx.plan)
+        del x, B, C
+        dconv = torch.cat([dx.flatten(2), dB.flatten(2), dC.flatten(2)], dim=-1)
+        del dx, dB, dC
+        dxbc, dw, db, _ = conv_bwd(xbc, conv_weight, conv_bias, None, dconv, None, "silu", ctx.packing)
+        return dxbc, dw, db, ddt, dA, dD, dh0, None, None, None, None
+
+
+def _use_torch(x: torch.Tensor) -> bool:
+    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
+    return kernel_backend(x) == "torch" or x.dtype == torch.float64 or x.shape[1] == 0
 
 
 @on_input_device
@@ -201,6 +305,12 @@ def chunk_simple_gla(
     return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 
 
+def _ssd_torch(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens):
+    q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
+    y, final = chunk_torch(q, k, v, g, None, 1.0, initial_state, output_final_state, cu_seqlens)
+    return skip(y, x, D), final
+
+
 @on_input_device
 def chunk_ssd(
     x: torch.Tensor,
@@ -209,28 +319,72 @@ def chunk_ssd(
     B: torch.Tensor,
     C: torch.Tensor,
     *,
+    D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ):
-    """Mamba2's state space duality (SSD) mixer, chunkwise: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t``.
+    """Mamba2's state space duality (SSD) mixer, chunkwise: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``,
+    ``y_t = S_t^T C_t + D x_t``.
 
     Args:
         x: ``[B, T, H, P]`` (fp32, fp16 or bf16).
         dt: ``[B, T, H]`` fp32 step sizes, already ``softplus(dt + dt_bias)``.
         A: ``[H]`` fp32, negative.
         B, C: ``[B, T, G, N]`` in x's dtype, G groups shared by H / G consecutive heads.
+        D: ``[H]`` fp32 skip per head, or None (no skip). Added in fp32 before the output's one
+            rounding to x's dtype (the torch form adds it in x's dtype).
         initial_state: ``[N_seq, H, N, P]`` fp32.
         output_final_state: also return the final states ``[N_seq, H, N, P]`` fp32.
         cu_seqlens: ``[N_seq + 1]`` int32/int64 offsets of packed sequences (batch must be 1), or a
             ``Packing`` from ``prepare_packing`` (no host copy, no re-indexing).
 
     Returns:
-        ``(y [B, T, H, P] in x's dtype, final_state or None)``. No D skip, no gating, no scale:
-        those belong to the layer. Gradients flow to x, dt, A, B, C and initial_state.
+        ``(y [B, T, H, P] in x's dtype, final_state or None)``. No gating, no scale: those belong
+        to the layer. Gradients flow to x, dt, A, B, C, D and initial_state.
     """
-    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    if kernel_backend(x) == "torch" or x.dtype == torch.float64 or x.shape[1] == 0:
-        q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
-        return chunk_torch(q, k, v, g, None, 1.0, initial_state, output_final_state, cu_seqlens)
-    return ChunkSSDFunction.apply(x, dt, A, B, C, initial_state, output_final_state, cu_seqlens)
+    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens, D=D)
+    if _use_torch(x):
+        return _ssd_torch(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens)
+    return ChunkSSDFunction.apply(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens)
+
+
+@on_input_device
+def chunk_conv_ssd(
+    xBC: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    *,
+    groups: int,
+    state_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """Mamba2's causal short conv with SiLU over ``xBC = [x, B, C]``, then ``chunk_ssd``, as one op
+    that keeps xBC for the backward instead of the conv's output (``ChunkConvSSDFunction``).
+
+    Args:
+        xBC: ``[B, T, H * P + 2 * groups * state_size]`` (fp32, fp16 or bf16), the columns of x
+            (head-major), then B, then C; may be a column slice of a wider tensor.
+        conv_weight: ``[H * P + 2 * groups * state_size, W]``, W in 2..4; conv_bias: that many or None.
+        dt, A, D, initial_state, output_final_state, cu_seqlens: as ``chunk_ssd``; the conv starts
+            every sequence from zeros (no conv state in or out).
+        groups, state_size: G and N of B and C.
+
+    Returns:
+        ``(y [B, T, H, P] in xBC's dtype, final_state or None)``; gradients flow to xBC, the conv's
+        weight and bias, dt, A, D and initial_state.
+    """
+    check_conv_ssd_inputs(xBC, conv_weight, conv_bias, dt, A, D, groups=groups, state_size=state_size,
+                          initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if _use_torch(xBC):
+        packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, xBC.shape[1], device=xBC.device)
+        y, _ = torch_causal_conv1d(xBC, conv_weight, conv_bias, "silu", packing, None, False)
+        x, B, C = xbc_views(y, dt.shape[2], groups, state_size)
+        return _ssd_torch(x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens)
+    return ChunkConvSSDFunction.apply(xBC, conv_weight, conv_bias, dt, A, D, initial_state, output_final_state,
+                                      cu_seqlens, groups, state_size)

@@ -7,7 +7,7 @@ import torch
 
 from ttr.kernels.gla.recurrent import recurrent_forward
 from ttr.kernels.gla.reference import check_gla_inputs
-from ttr.kernels.ssd.reference import check_ssd_inputs, ssd_as_simple_gla
+from ttr.kernels.ssd.reference import check_ssd_inputs, skip, ssd_as_simple_gla
 from ttr.kernels.utils import on_input_device
 
 
@@ -46,6 +46,7 @@ def recurrent_ssd(
     B: torch.Tensor,
     C: torch.Tensor,
     *,
+    D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -53,11 +54,12 @@ def recurrent_ssd(
     """Mamba2's SSD token by token, for decoding (a few tokens against a state). Forward only.
 
     Args:
-        x, dt, A, B, C, initial_state, output_final_state, cu_seqlens: as in ``chunk_ssd``.
+        x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens: as in ``chunk_ssd``.
 
     Returns:
         ``(y [B, T, H, P] in x's dtype, final_state [N_seq, H, N, P] fp32 or None)``.
     """
-    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    check_ssd_inputs(x, dt, A, B, C, initial_state=initial_state, cu_seqlens=cu_seqlens, D=D)
     q, k, v, g = ssd_as_simple_gla(x, dt, A, B, C)
-    return recurrent_forward(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    y, final = recurrent_forward(q, k, v, g, 1.0, initial_state, output_final_state, cu_seqlens)
+    return skip(y, x, D), final

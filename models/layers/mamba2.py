@@ -11,6 +11,9 @@ Per head: ``S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T``, ``y_t = S_t^T C_t + 
   initialisation of the authors' release.
 * output: ``RMSNorm(y * silu(z))`` per group (gate before the norm, paper Sec. 7.3), then the
   output projection.
+* memory: what the backward keeps per token is the input projection's output (z, xBC and dt are
+  read in place as its slices), the SSD output y and small fp32 per-head terms; the conv's output
+  is recomputed in the backward (``chunk_conv_ssd``) and the gated norm is one kernel.
 * ``mamba_dt_limit`` clamps ``dt`` after the softplus (mamba_ssm's ``dt_limit``); biases on the
   projections and the conv follow ``mamba_proj_bias`` / ``mamba_conv_bias``.
 * ``allow_neg_eigval``: the transition ``a_t = 2 exp(dt_t A) - 1`` ranges over (-1, 1) instead of
@@ -28,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE, Packing
-from ttr.kernels.norm import rms_norm
-from ttr.kernels.ssd import chunk_simple_gla, chunk_ssd, recurrent_simple_gla, recurrent_ssd
+from ttr.kernels.norm import gated_rms_norm
+from ttr.kernels.ssd import chunk_conv_ssd, chunk_simple_gla, chunk_ssd, recurrent_simple_gla, recurrent_ssd
 
 from ..modules import ShortConv, init_time_step_bias, mask_tokens, run_short_convs
 from .base import Mixer
@@ -127,15 +130,6 @@ class Mamba2(Mixer):
         init.ones_(self.D)
         init.ones_(self.norm_weight)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        u = y * F.silu(z)
-        if self.n_groups == 1:
-            return rms_norm(u, self.norm_weight, eps=self.eps)
-        shape = u.shape
-        grouped = u.reshape(*shape[:-1], self.n_groups, self.d_inner // self.n_groups)
-        ones = torch.ones(grouped.shape[-1], dtype=self.norm_weight.dtype, device=u.device)
-        return rms_norm(grouped, ones, eps=self.eps).reshape(shape) * self.norm_weight
-
     def _signed_ssd(self, xs, dt, a, bm, cm, initial_state, output_final_state, cu_seqlens, decoding):
         """The SSD step with ``a_t = 2 exp(dt_t A) - 1`` in (-1, 1) (``allow_neg_eigval``)."""
         # dt = 0 at padded positions gives a_t = 1: no decay, no input, no sign flip
@@ -151,11 +145,10 @@ class Mamba2(Mixer):
             state = state * last_parity(parity, offsets)[:, :, None, None]
         return y, state
 
-    def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
-        b, t, _ = x.shape
-        layer_cache = cache[self.layer_idx] if cache is not None else None
-        decoding = layer_cache is not None and t == 1
-        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+    def _ssd_with_states(self, xbc, dt, a, *, mask, cu_seqlens, layer_cache, decoding):
+        """The short conv and SSD as two ops, with their states in ``layer_cache`` (and the
+        signed transition); ``y`` includes the D skip."""
+        b, t, _ = xbc.shape
         (xbc,) = run_short_convs(
             [self.conv], [xbc], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding
         )
@@ -164,22 +157,42 @@ class Mamba2(Mixer):
         xs = xs.reshape(b, t, self.num_heads, self.head_dim)
         bm = bm.reshape(b, t, self.n_groups, self.state_size)
         cm = cm.reshape(b, t, self.n_groups, self.state_size)
+        initial_state = layer_cache.get("recurrent") if layer_cache is not None else None
+        if self.config.allow_neg_eigval:
+            y, state = self._signed_ssd(xs, dt, a, bm, cm, initial_state, layer_cache is not None, cu_seqlens,
+                                        decoding)
+            y = y + xs * self.D.to(xs.dtype)[:, None]
+        else:
+            kernel = recurrent_ssd if decoding else chunk_ssd
+            y, state = kernel(xs, dt, a, bm, cm, D=self.D, initial_state=initial_state,
+                              output_final_state=layer_cache is not None, cu_seqlens=cu_seqlens)
+        if layer_cache is not None:
+            layer_cache["recurrent"] = state
+        return y
+
+    def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
+        b, t, _ = x.shape
+        layer_cache = cache[self.layer_idx] if cache is not None else None
+        decoding = layer_cache is not None and t == 1
+        # z, xbc and dt stay views of the one projection: the conv and the norm read their slices in
+        # place, so the backward keeps this one tensor and no copies of its parts.
+        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.config.mamba_dt_limit is not None:
             dt = dt.clamp(*self.config.mamba_dt_limit)
         # dt = 0 at padded positions: no decay (exp(0) = 1) and no input (B dt x = 0).
         (dt,) = mask_tokens(mask, dt)
         a = -self.A_log.float().exp()
-        initial_state = layer_cache.get("recurrent") if layer_cache is not None else None
-        if self.config.allow_neg_eigval:
-            y, state = self._signed_ssd(xs, dt, a, bm, cm, initial_state, layer_cache is not None, cu_seqlens,
-                                        decoding)
+        if layer_cache is None and not self.config.allow_neg_eigval:
+            # Training: the conv runs inside the SSD op, whose backward runs it again rather than
+            # keep its output (x, B, C) alive from the forward to the backward.
+            (xbc,) = mask_tokens(mask, xbc)
+            y, _ = chunk_conv_ssd(xbc, self.conv.weight, self.conv.bias, dt, a, groups=self.n_groups,
+                                  state_size=self.state_size, D=self.D, cu_seqlens=cu_seqlens)
         else:
-            kernel = recurrent_ssd if decoding else chunk_ssd
-            y, state = kernel(xs, dt, a, bm, cm, initial_state=initial_state,
-                              output_final_state=layer_cache is not None, cu_seqlens=cu_seqlens)
-        if layer_cache is not None:
-            layer_cache["recurrent"] = state
-        y = y + xs * self.D.to(xs.dtype)[:, None]
-        y = self._gated_norm(y.reshape(b, t, self.d_inner), z)
+            y = self._ssd_with_states(xbc, dt, a, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
+                                      decoding=decoding)
+        # gate, then per-group RMSNorm, in one kernel that keeps y, z (read in place) and the stats
+        y = gated_rms_norm(y.reshape(b, t, self.d_inner), z, self.norm_weight, eps=self.eps,
+                           norm_before_gate=False, groups=self.n_groups)
         return self.out_proj(y)

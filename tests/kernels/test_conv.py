@@ -70,6 +70,28 @@ def test_conv_packed(backend, w, h0):
     check(x, weight, bias, state if h0 else None, activation="silu", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_conv_reads_a_column_slice_in_place(backend, packed):
+    """x a column slice of a wider projection (Mamba2's xBC): same result as a contiguous x, the
+    projection itself is what the backward keeps (no copy), and its gradient is the oracle's."""
+    b, t = (1, 131) if packed else (2, 70)
+    proj = torch.randn(b, t, 100, device=DEVICE, requires_grad=True)
+    _, weight, bias, _ = make(1, 1, 37, 4)
+    cu = torch.tensor([0, 1, 65, t], device=DEVICE, dtype=torch.int32) if packed else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        y, _ = causal_conv1d(proj[..., 50:87], weight, bias, activation="silu", cu_seqlens=cu)
+    if backend == "triton":
+        assert proj.untyped_storage().data_ptr() in {s.untyped_storage().data_ptr() for s in saved}
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    p64 = proj.detach().double().requires_grad_()
+    y64, _ = reference_causal_conv1d(p64[..., 50:87], weight.double(), bias.double(), activation="silu",
+                                     cu_seqlens=cu)
+    y64.backward(dy.double())
+    assert rel_rms(y, y64) < TOL and rel_rms(proj.grad, p64.grad) < TOL
+
+
 def test_packed_equals_separate(backend):
     lens = [3, 64, 1, 50]
     x, weight, bias, h0 = make(1, sum(lens), 16, 4, n=len(lens))

@@ -54,6 +54,49 @@ def test_gated_rms_norm(backend, shape):
     check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), eps=1e-6)
 
 
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize(("shape", "groups"), [((2, 5, 48), 1), ((2, 5, 48), 3), ((3, 100), 4), ((1, 64), 2),
+                                               ((2, 3, 4, 33), 1), ((37, 256), 8)])
+def test_gated_rms_norm_gate_first_and_groups(backend, shape, groups, norm_before_gate):
+    """Mamba2's output norm (gate, then per-group statistics) and the grouped norm-then-gate form."""
+    x = torch.randn(*shape, device=DEVICE)
+    z = 2 * torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), eps=1e-6, norm_before_gate=norm_before_gate,
+          groups=groups)
+
+
+def test_gated_rms_norm_groups_are_separate_norms(backend):
+    """groups=G is G independent norms over the slices of the last dim, each with its weight slice."""
+    x, z = torch.randn(4, 3, 60, device=DEVICE), torch.randn(4, 3, 60, device=DEVICE)
+    w = torch.randn(60, device=DEVICE)
+    y = gated_rms_norm(x, z, w, norm_before_gate=False, groups=3)
+    for g in range(3):
+        sl = slice(20 * g, 20 * (g + 1))
+        want = gated_rms_norm(x[..., sl].contiguous(), z[..., sl].contiguous(), w[sl], norm_before_gate=False)
+        assert rel_rms(y[..., sl], want) < TOL
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_gated_rms_norm_reads_a_sliced_gate_in_place(backend, norm_before_gate):
+    """z a column slice of a wider projection (Mamba2's z from its in_proj): read without a copy,
+    so the tensor kept for the backward is the projection itself; gradients reach the projection."""
+    proj = torch.randn(2, 70, 3 * 40, device=DEVICE, requires_grad=True)
+    x = torch.randn(2, 70, 40, device=DEVICE, requires_grad=True)
+    w = 1 + 0.1 * torch.randn(40, device=DEVICE)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = gated_rms_norm(x, proj[..., 40:80], w, norm_before_gate=norm_before_gate, groups=2)
+    if backend == "triton":
+        assert proj.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    p64, x64 = proj.detach().double().requires_grad_(), x.detach().double().requires_grad_()
+    y64 = reference_gated_rms_norm(x64, p64[..., 40:80], w.double(), norm_before_gate=norm_before_gate, groups=2)
+    y64.backward(dy.double())
+    assert rel_rms(y, y64) < TOL and rel_rms(x.grad, x64.grad) < TOL and rel_rms(proj.grad, p64.grad) < TOL
+
+
 def test_many_rows_weight_grad(backend):
     """More row blocks (4 rows of 1000) than backward programs: each program reduces several."""
     x = torch.randn(37, 1000, device=DEVICE)
@@ -85,6 +128,10 @@ def test_bad_inputs():
         rms_norm(x, torch.randn(7))
     with pytest.raises(ValueError, match="z"):
         gated_rms_norm(x, torch.randn(3, 7), torch.randn(8))
+    with pytest.raises(ValueError, match="groups"):
+        gated_rms_norm(x, torch.randn(3, 8), torch.randn(8), groups=3)
+    with pytest.raises(TypeError, match="norm_before_gate"):
+        gated_rms_norm(x, torch.randn(3, 8), torch.randn(8), norm_before_gate=None)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, torch.randn(8), eps=-1.0)
     with pytest.raises(ValueError, match="8192"):
@@ -104,6 +151,8 @@ def test_norms_gpu(monkeypatch, dtype, d):
     w = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
     check(rms_norm, reference_rms_norm, (x, w), tol=tol)
     check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), tol=tol)
+    for groups in (1, 4):
+        check(gated_rms_norm, reference_gated_rms_norm, (x, z, w), tol=tol, norm_before_gate=False, groups=groups)
 
 
 @pytest.mark.parametrize("shape", [(48,), (3, 100), (2, 5, 2, 128), (2, 3, 4, 33), (1, 3), (40, 2, 64)])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ttr.kernels.common.torch_chunk import chunk_torch
-from ttr.kernels.ssd import chunk_ssd, recurrent_ssd
+from ttr.kernels.ssd import chunk_conv_ssd, chunk_ssd, recurrent_ssd
 from ttr.kernels.ssd.reference import ssd_as_simple_gla
 
 from .conftest import rel_rms
@@ -75,3 +75,43 @@ def test_ssd_chunk_equals_decoding():
         outs.append(y_i)
     assert rel_rms(torch.cat(outs, 1), y) < 1e-2
     assert rel_rms(state, ht) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("groups,packed", [(1, False), (2, True)])
+def test_conv_ssd_vs_float64(dtype, groups, packed):
+    """The fused short conv + SSD with the D skip (Mamba2's training path), xBC a column slice of
+    a wider projection as in the layer, against its torch form in float64."""
+    t, h, p, n_state, w = 4096, 16, 64, 128, 4
+    cu = torch.tensor([0, 1, 64, 1000, t], device="cuda", dtype=torch.int32) if packed else None
+    n = 4 if packed else 1
+    width = h * p + 2 * groups * n_state
+    proj = (torch.randn(1, t, 64 + width + h, device="cuda") * 0.5).to(dtype)
+    weight = torch.randn(width, w, device="cuda") / w**0.5  # fp32, as the layer's parameters under autocast
+    bias = 0.1 * torch.randn(width, device="cuda")
+    dt = F.softplus(torch.randn(1, t, h, device="cuda") - 3.0)
+    A = -torch.rand(h, device="cuda").mul(15).add(1)
+    D = torch.randn(h, device="cuda")
+    h0 = torch.randn(n, h, n_state, p, device="cuda")
+    dy = torch.randn(1, t, h, p, device="cuda", dtype=torch.float64)
+    dht = torch.randn(n, h, n_state, p, device="cuda", dtype=torch.float64)
+
+    def run(tensors):
+        leaves = [x.detach().clone().requires_grad_(True) for x in tensors]
+        proj_, weight_, bias_, dt_, A_, D_, h0_ = leaves
+        y, ht = chunk_conv_ssd(proj_[..., 64:64 + width], weight_, bias_, dt_, A_, groups=groups, state_size=n_state,
+                               D=D_, initial_state=h0_, output_final_state=True, cu_seqlens=cu)
+        ((y.double() * dy).sum() + (ht.double() * dht).sum()).backward()
+        return y, ht, [x.grad for x in leaves]
+
+    data = [proj, weight, bias, dt, A, D, h0]
+    ref = run([x.double() for x in data])
+    torch.full((1 << 28,), float("nan"), device="cuda")  # poison the allocator's free blocks
+    got = run(data)
+    tol = 5e-3 if dtype == torch.float32 else 1e-2
+    assert rel_rms(got[0], ref[0]) < tol, f"y {rel_rms(got[0], ref[0])}"
+    assert rel_rms(got[1], ref[1]) < tol, f"final state {rel_rms(got[1], ref[1])}"
+    for name, a, r in zip(["dproj", "dweight", "dbias", "ddt", "dA", "dD", "dh0"], got[2], ref[2]):
+        assert torch.isfinite(a).all(), name
+        limit = 2 * tol if name in ("ddt", "dA") else tol
+        assert rel_rms(a, r) < limit, f"{name} {rel_rms(a, r)}"
