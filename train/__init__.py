@@ -6,7 +6,7 @@
     ttr train configs/gla-340m.toml --train.max_steps=1000 --optim.lr=1e-3
     ttr train CONFIG --resume                   # continue run_dir from its newest good checkpoint
     ttr train CONFIG --resume=auto              # ... or start it when there is no checkpoint
-    ttr train CONFIG --nproc 8                  # = accelerate launch --num_processes 8 -m ttr.train
+    ttr train CONFIG --nproc 8                  # = torchrun --standalone --nproc_per_node 8 -m ttr.train
     ttr export runs/gla-340m out/gla-340m       # save_pretrained folder + tokenizer
 
 A run directory holds ``run_config.json``, ``model/config.json`` (the TTRConfig),

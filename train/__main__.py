@@ -1,4 +1,4 @@
-"""``python -m ttr.train`` / ``accelerate launch -m ttr.train [CONFIG] [--section.key=value ...]``:
+"""``python -m ttr.train`` / ``torchrun ... -m ttr.train`` / ``accelerate launch -m ttr.train [CONFIG] [--section.key=value ...]``:
 ``ttr train`` in each launched process, with the same error reporting."""
 
 import sys

@@ -2,9 +2,10 @@
 [--section.key=value ...]``.
 
 Without a config it runs the embedded default (``configs/default.toml`` on CPU,
-``configs/default_gpu.toml`` when CUDA is available). ``--nproc N`` re-launches itself through
-``accelerate launch --num_processes N -m ttr.train`` (FSDP2 on GPUs; on CPU through
-``torch.distributed.run``, DDP over gloo).
+``configs/default_gpu.toml`` when CUDA is available). ``--nproc N`` runs N processes of
+``python -m ttr.train`` under torch's elastic agent (what ``torchrun --standalone --nproc_per_node N``
+starts), the agent in this process: FSDP2 full shard on GPUs (the trainer builds accelerate's FSDP
+plugin itself, so no accelerate config file is needed), DDP over gloo on CPU.
 
 Exit status: 0 when the run finished, 128 + the signal number when SIGTERM (143) or SIGINT (130)
 stopped it after saving a checkpoint, 1 when it could not continue (non-finite steps), 2 for an
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,26 +67,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def launch_command(nproc: int, argv: list[str]) -> list[str]:
-    """``accelerate launch --multi_gpu`` on GPUs; on CPU ``torch.distributed.run`` (accelerate's
-    launcher refuses ``--cpu`` with several processes; the Accelerator then runs DDP over gloo)."""
+    """The equivalent ``torchrun`` command line of ``ttr train --nproc N``: a single-node job with a
+    free rendezvous port (``--standalone``), one process per GPU (the Accelerator in each rank reads
+    the rank and world size torchrun sets; on CPU it runs DDP over gloo)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if torch.cuda.is_available():
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
-        cmd += ["--multi_gpu"] if nproc > 1 else []
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    return cmd + ["-m", "ttr.train", *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "ttr.train", *argv]
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``launch_command`` and return the exit status of the job. On CPU torch's elastic agent
-    runs in this process, so that a failed rank ends the job with that rank's status (its error
-    already printed in one line by the rank itself) instead of torchrun's status 1 and its
-    traceback; on GPUs ``accelerate launch`` runs as a child process."""
+    """Run ``launch_command`` with torch's elastic agent in this process and return the job's exit
+    status: a failed rank ends the job with that rank's status (its error already printed in one
+    line by the rank itself) instead of a launcher's status 1 and its traceback; SIGTERM / SIGINT
+    to this process reach every rank, which save and exit, and the job exits 143 / 130. A launcher
+    in a child process would pass on neither the status nor the signal."""
     cmd = launch_command(nproc, argv)
-    if torch.cuda.is_available():
-        return subprocess.call(cmd)
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

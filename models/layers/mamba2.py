@@ -164,7 +164,7 @@ class Mamba2(Mixer):
             y = y + xs * self.D.to(xs.dtype)[:, None]
         else:
             kernel = recurrent_ssd if decoding else chunk_ssd
-            y, state = kernel(xs, dt, a, bm, cm, D=self.D, initial_state=initial_state,
+            y, state = kernel(xs, dt, a, bm, cm, D=self.D.float(), initial_state=initial_state,
                               output_final_state=layer_cache is not None, cu_seqlens=cu_seqlens)
         if layer_cache is not None:
             layer_cache["recurrent"] = state
@@ -188,7 +188,7 @@ class Mamba2(Mixer):
             # keep its output (x, B, C) alive from the forward to the backward.
             (xbc,) = mask_tokens(mask, xbc)
             y, _ = chunk_conv_ssd(xbc, self.conv.weight, self.conv.bias, dt, a, groups=self.n_groups,
-                                  state_size=self.state_size, D=self.D, cu_seqlens=cu_seqlens)
+                                  state_size=self.state_size, D=self.D.float(), cu_seqlens=cu_seqlens)
         else:
             y = self._ssd_with_states(xbc, dt, a, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
                                       decoding=decoding)
