@@ -409,7 +409,9 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
         if packing is not None:
             # The last token of a document must not be trained to predict the next document.
-            targets[0, packing.cu_seqlens[1:].long() - 1] = -100
+            # (index_fill_ with a device index launches without reading it on the host, where
+            # an advanced-indexing assignment synchronises)
+            targets[0].index_fill_(0, packing.cu_seqlens[1:].long() - 1, -100)
         return targets.reshape(-1)
 
     @can_return_tuple

@@ -53,7 +53,7 @@ def _batch(rows: int, seq_len: int, doc_len: int, vocab: int, packed: bool, cu_d
         pos += int(torch.randint(doc_len // 2, 2 * doc_len, (1,), generator=gen))
         starts.add(min(pos, rows * seq_len))
     cu = torch.tensor(sorted(starts | {rows * seq_len}), dtype=torch.int32)
-    return ids.view(1, -1), cu.to(cu_device)
+    return ids.view(1, -1), cu.to("cuda" if cu_device == "gpu" else "cpu")
 
 
 def _phases(model, optimizer, ids, cu):
