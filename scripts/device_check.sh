@@ -13,7 +13,8 @@ ln -sfn "$PWD" /tmp/ttr_pkg/ttr
 if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/ttr_pkg:/tmp/site
+# .whl/ref: reference packages carried as source (mamba_ssm's Triton kernels, for HF Mamba2)
+export PYTHONPATH=/tmp/ttr_pkg:/tmp/site:$PWD/.whl/ref
 mode=${1:-tests}; shift || true
 case "$mode" in
   tests)
