@@ -12,7 +12,8 @@
 # REFERENCES (1), ISOLATE (0; 1: each model in its own process), LIFT_FLA_GUARD (1: fla 0.6.0's gated
 # backward runs on Hopper with Triton < 3.7.1 for timing only, fla issue #640, and the tables say so),
 # DRY_RUN (1: print the commands only). Each part stops starting rows when its share is spent and lists
-# the rest as skipped. Writes $OUT/{kernels,uniform,model,decode}.{md,json} and the logs.
+# the rest as skipped. Writes $OUT/{kernels,uniform,model,decode}.{md,json} and the logs; with references,
+# the kernel parts first time ttr alone into $OUT/{kernels,uniform}-ttr.{md,json} (a third of their share).
 set -u
 OUT=${OUT:-/tmp/ttr_out}
 PARTS=${PARTS:-kernels,model}
@@ -53,6 +54,15 @@ for p in ${PARTS//,/ }; do
     kernels|uniform)
       secs=$(left); [ "$secs" -gt "$KERNELS_S" ] && secs=$KERNELS_S
       shapes=preset; [ "$p" = uniform ] && shapes=uniform
+      if [ "$REFERENCES" = 1 ]; then
+        # ttr's rows alone first (seconds): the references' compile and autotune (fla's: minutes)
+        # must not leave a cut budget without ttr's numbers
+        ttr_secs=$((secs / 3))
+        # shellcheck disable=SC2086
+        part "$p-ttr" "$ttr_secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" \
+          --no-reference --time-budget $((ttr_secs - 20)) --out "$OUT/$p-ttr.md" --json "$OUT/$p-ttr.json"
+        secs=$((secs - ttr_secs))
+      fi
       refs=""; [ "$REFERENCES" = 1 ] || refs=--no-reference
       # shellcheck disable=SC2086
       part "$p" "$secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" $refs $guard \
@@ -72,7 +82,7 @@ for p in ${PARTS//,/ }; do
       ;;
   esac
 done
-for f in kernels uniform model decode; do
+for f in kernels-ttr kernels uniform-ttr uniform model decode; do
   [ -f "$OUT/$f.md" ] && { echo; cat "$OUT/$f.md"; }
 done
 exit 0
