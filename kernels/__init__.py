@@ -33,10 +33,12 @@ if __name__ == "ttr.kernels":
         rms_norm,
     )
     from ttr.kernels.ssd import (
+        chunk_conv_ssd,
         chunk_simple_gla,
         chunk_ssd,
         recurrent_simple_gla,
         recurrent_ssd,
+        reference_conv_ssd,
         reference_simple_gla,
         reference_ssd,
     )
@@ -47,6 +49,7 @@ __all__ = [
     "attention",
     "causal_conv1d",
     "causal_conv1d_update",
+    "chunk_conv_ssd",
     "chunk_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gla",
@@ -63,6 +66,7 @@ __all__ = [
     "recurrent_ssd",
     "reference_attention",
     "reference_causal_conv1d",
+    "reference_conv_ssd",
     "reference_delta_rule",
     "reference_gated_delta_rule",
     "reference_gla",

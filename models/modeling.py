@@ -410,8 +410,10 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         if packing is not None:
             # The last token of a document must not be trained to predict the next document.
             # (index_fill_ with a device index launches without reading it on the host, where
-            # an advanced-indexing assignment synchronises)
-            targets[0].index_fill_(0, packing.cu_seqlens[1:].long() - 1, -100)
+            # an advanced-indexing assignment synchronises). An empty first document ends at
+            # -1, taken modulo T to the last token, whose target is -100 already.
+            ends = (packing.cu_seqlens[1:].long() - 1) % targets.shape[1]
+            targets[0].index_fill_(0, ends, -100)
         return targets.reshape(-1)
 
     @can_return_tuple
