@@ -154,16 +154,6 @@ def ttr_config(family: str, size: str, vocab_size: int):
     return get_preset(f"{family}-{size}", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
-def lift_fla_guard() -> bool:
-    try:
-        import fla.ops.common.chunk_o as chunk_o
-    except ImportError:
-        return False
-    lifted = not chunk_o.TRITON_ABOVE_3_7_1
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    return lifted
-
-
 def swap_in_reference_kernels(config) -> None:
     """Route ttr's chunkwise mixer ops to the reference's kernels (fla's, and mamba_ssm's SSD for
     Mamba2), leaving the rest of ttr's model as it is. A diagnostic: when a family trains behind its
@@ -490,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "batch", "seq_len", "val_every", "val_batches", "warmup"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    lifted = lift_fla_guard()
+    from ttr.scripts.bench_utils import lift_fla_guard
+
+    lifted = lift_fla_guard() is not None
     tokenizer = build_tokenizer()
     t0 = time.perf_counter()
     train_tokens, val = build_data(args, tokenizer)

@@ -299,8 +299,7 @@ def chunk_simple_gla(
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=False, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
-    if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
+    if _use_torch(q):
         return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
     return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
 
