@@ -14,6 +14,7 @@ hybrids run with a plain PyTorch attention.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -121,7 +122,29 @@ def build_reference(config):
     ref_config = reference_config(config)
     if family == "transformer":
         ref_config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(ref_config)
+    model = AutoModelForCausalLM.from_config(ref_config)
+    if family == "mamba2":
+        init_mamba2_as_released(model, config)
+    return model
+
+
+@torch.no_grad()
+def init_mamba2_as_released(model, config) -> None:
+    """Re-initialise HF Mamba2's mixers where HF's ``_init_weights`` departs from the authors'
+    release (mamba_ssm), which is what the paper trained and ttr's default follows: ``A`` drawn
+    from ``U(mamba_a_init_range)`` (HF: ``A = 1..H``, the same for every layer), ``in_proj`` left
+    at PyTorch's kaiming-uniform ``U(+-1/sqrt(fan_in))`` (HF: N(0, initializer_range)) and the
+    conv bias at PyTorch's default ``U(+-1/sqrt(kernel))`` (HF: zeros). The time-step bias, D,
+    the conv weight and the (rescaled) output projection already match."""
+    lo, hi = config.mamba_a_init_range
+    for layer in model.backbone.layers:
+        mixer = layer.mixer
+        mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(lo, hi).log())
+        bound = 1.0 / math.sqrt(mixer.in_proj.in_features)
+        mixer.in_proj.weight.uniform_(-bound, bound)
+        if mixer.conv1d.bias is not None:
+            bound = 1.0 / math.sqrt(mixer.conv1d.weight.shape[-1])
+            mixer.conv1d.bias.uniform_(-bound, bound)
 
 
 def use_mamba_ssm_scan() -> bool:

@@ -69,6 +69,11 @@ def _dot(a, b):
 
 
 @triton.jit
+def _dot3(a, b):
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
 def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                   REUSE_AI: tl.constexpr):
@@ -182,9 +187,13 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
     # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
+    # Both products take fp32 operands. As plain tf32 (the default for fp32 dots) each operand loses
+    # its 13 low mantissa bits, and DeltaNet then trained measurably worse than with exact products
+    # (docs/benchmarks.md, parity); three tf32 products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy
+    # on the tensor cores.
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
-    b_dA = tl.dot(tl.trans(b_Ai), b_dT * b_beta[None, :])
-    b_dA = tl.where(m_A, -tl.dot(b_dA, tl.trans(b_Ai)), 0.)
+    b_dA = _dot3(tl.trans(b_Ai), b_dT * b_beta[None, :])
+    b_dA = tl.where(m_A, -_dot3(b_dA, tl.trans(b_Ai)), 0.)
     if USE_G:
         b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     # A_ij = beta_i <k_i, k_j> Γ_ij (i > j): b_dA (times Γ above) is now the gradient of

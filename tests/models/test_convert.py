@@ -154,3 +154,27 @@ def test_fla_folders_map_one_to_one(family, tmp_path):
     ref_values = {tuple(p.flatten()[:4].tolist()) for p in ref.state_dict().values()}
     for name, p in dst.state_dict().items():
         assert tuple(p.flatten()[:4].tolist()) in ref_values, name
+
+
+def test_mamba2_reference_initialised_as_released():
+    """The parity reference (HF Mamba2) starts as the authors' release and ttr's default do:
+    A from U(mamba_a_init_range) per layer, in_proj U(+-1/sqrt(fan_in)), conv bias U(+-1/sqrt(kernel))."""
+    from ttr.scripts.reference_models import build_reference
+
+    config = get_preset("mamba2-debug", vocab_size=VOCAB)
+    torch.manual_seed(0)
+    ref = build_reference(config)
+    lo, hi = config.mamba_a_init_range
+    mixers = [layer.mixer for layer in ref.backbone.layers]
+    for mixer in mixers:
+        a = mixer.A_log.exp()
+        assert torch.all((a >= lo * 0.999) & (a <= hi * 1.001))
+        bound = mixer.in_proj.in_features ** -0.5
+        assert mixer.in_proj.weight.abs().max() <= bound
+        assert abs(mixer.in_proj.weight.std().item() - bound / 3**0.5) < 0.1 * bound
+        conv_bound = mixer.conv1d.weight.shape[-1] ** -0.5
+        assert 0 < mixer.conv1d.bias.abs().max() <= conv_bound
+    # drawn per layer, not HF's fixed 1..H
+    assert not torch.equal(mixers[0].A_log, torch.arange(1, len(mixers[0].A_log) + 1).float().log())
+    if len(mixers) > 1:
+        assert not torch.equal(mixers[0].A_log, mixers[1].A_log)
