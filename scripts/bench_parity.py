@@ -3,6 +3,7 @@
     python -m ttr.scripts.bench_parity [--families gated_deltanet,delta_net,gla,mamba2,transformer,
         gated_deltanet_h1] [--size 340m] [--steps 1000] [--batch 8] [--seq-len 2048] [--out DIR]
     python -m ttr.scripts.bench_parity --report DIR [DIR ...] [--plot parity.png]
+    python -m ttr.scripts.bench_parity --op-errors 100 --families delta_net   # kernel error, see op_errors
 
 For each family, the ttr preset ``<family>-<size>`` and the reference model of the same shape
 (``ttr.scripts.reference_models``: fla 0.6.0, HF Llama, HF Mamba2) are trained in one process,
@@ -154,27 +155,36 @@ def ttr_config(family: str, size: str, vocab_size: int):
     return get_preset(f"{family}-{size}", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
+# The chunkwise op each fla family's layer calls: (ttr layer module, the name it calls, fla's op).
+FLA_OPS = {
+    "gated_deltanet": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule"),
+    "gated_deltanet_h1": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule"),
+    "delta_net": ("delta_net", "chunk_delta_rule", "fla.ops.delta_rule"),
+    "gla": ("gla", "chunk_gla", "fla.ops.gla"),
+}
+
+
+def layer_op(family: str):
+    """``(layer module, name, ttr's op, fla's op)`` of an fla family's chunkwise mixer op."""
+    import importlib
+
+    module_name, name, fla_module = FLA_OPS[family]
+    module = importlib.import_module(f"ttr.models.layers.{module_name}")
+    return module, name, getattr(module, name), getattr(importlib.import_module(fla_module), name)
+
+
 def swap_in_reference_kernels(config) -> None:
     """Route ttr's chunkwise mixer ops to the reference's kernels (fla's, and mamba_ssm's SSD for
     Mamba2), leaving the rest of ttr's model as it is. A diagnostic: when a family trains behind its
     reference, this run says whether the kernels are the cause (it then follows the reference's
     curve) or the layers around them (it stays with ttr's)."""
-    from ttr.models.layers import delta_net, gated_deltanet, gla, mamba2
+    from ttr.models.layers import mamba2
     from ttr.scripts.reference_models import family_of
 
     family = family_of(config)
-    if family in ("gated_deltanet", "gated_deltanet_h1"):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        gated_deltanet.chunk_gated_delta_rule = chunk_gated_delta_rule
-    elif family == "delta_net":
-        from fla.ops.delta_rule import chunk_delta_rule
-
-        delta_net.chunk_delta_rule = chunk_delta_rule
-    elif family == "gla":
-        from fla.ops.gla import chunk_gla
-
-        gla.chunk_gla = chunk_gla
+    if family in FLA_OPS:
+        module, name, _, fla_op = layer_op(family)
+        setattr(module, name, fla_op)
     elif family == "mamba2":
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
@@ -210,11 +220,9 @@ def build(impl: str, config, seed: int):
     return model.cuda()
 
 
-def grad_check(config, batch: torch.Tensor, oracle: bool = False) -> dict:
+def grad_check(config, batch: torch.Tensor) -> dict:
     """Loss and gradients of the reference and of ttr on the reference's initial weights, under
-    the training run's bf16 autocast (so the kernels checked are the ones that train). With
-    ``oracle``, both are also measured against the fp32 gradients (no autocast, no tf32) of both
-    models, which says which side a disagreement comes from."""
+    the training run's bf16 autocast (so the kernels checked are the ones that train)."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -243,32 +251,6 @@ def grad_check(config, batch: torch.Tensor, oracle: bool = False) -> dict:
     worst = max(errors, key=errors.get)
     result = {"loss_reference": losses[0], "loss_ttr": losses[1], "grad_rel_err_all": (diff / total).item(),
               "grad_rel_err_max": errors[worst], "grad_worst": worst}
-    if oracle:
-        # fp32 without autocast and without tf32 on both sides: ttr's Triton kernels and fla's each
-        # in exact fp32 products (TRITON_F32_DEFAULT=ieee must be set before the process compiles
-        # any kernel, which device_parity.sh does for the oracle run). Their agreement says how
-        # exact the oracle is; each bf16 run's distance from it says which side loses precision.
-        exact = []
-        old_tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            for model in (ref, mine):
-                model.zero_grad(set_to_none=True)
-                model(input_ids=x, labels=x, use_cache=False).loss.backward()
-                exact.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = old_tf32
-        exact_ref = convert_state_dict(ref.config.model_type, exact[0])
-        exact = exact[1]
-        norm = torch.sqrt(sum(exact[n].square().sum() for n in names))
-        result["oracle_fp32_agreement"] = (
-            torch.sqrt(sum((exact_ref[n] - exact[n]).square().sum() for n in names)) / norm).item()
-        result["oracle_f32_default"] = os.environ.get("TRITON_F32_DEFAULT", "tf32")
-        for side, g in (("reference", ref_grads), ("ttr", grads[1])):
-            err = torch.sqrt(sum((g[n] - exact[n]).square().sum() for n in names)) / norm
-            per = {n: ((g[n] - exact[n]).norm() / exact[n].norm().clamp_min(1e-30)).item() for n in names}
-            bad = max(per, key=per.get)
-            result[f"oracle_{side}"] = {"all": err.item(), "worst": per[bad], "worst_tensor": bad}
     del ref, mine
     torch.cuda.empty_cache()
     return result
@@ -296,14 +278,32 @@ def evaluate(model, val: np.ndarray) -> float:
     return total / len(val)
 
 
+def make_optimizer(model, args):
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": other, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def train_step(model, opt, rows: np.ndarray, step: int, args):
+    """One step of the recipe on ``rows`` ``[batch, seq_len]``; returns (loss, clipped-from norm)."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    x = torch.from_numpy(rows).long().cuda(non_blocking=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, norm
+
+
 def train(model, train_tokens: np.ndarray, val: np.ndarray, args, checkpoint=None) -> dict:
     """Train ``model`` on ``train_tokens`` (one batch per step); ``checkpoint(partial)`` is called
     with the results so far after every validation, so a run cut short still leaves its curve."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = make_optimizer(model, args)
     losses, grad_norms, vals = [], [], []
     model.train()
     torch.cuda.reset_peak_memory_stats()
@@ -314,15 +314,7 @@ def train(model, train_tokens: np.ndarray, val: np.ndarray, args, checkpoint=Non
         if step == timed_from:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        x = torch.from_numpy(train_tokens[step]).long().cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, norm = train_step(model, opt, train_tokens[step], step, args)
         losses.append(loss.detach())
         grad_norms.append(norm.detach())
         if (step + 1) % args.val_every == 0 or step + 1 == args.steps:
@@ -371,6 +363,86 @@ def run_one(family: str, impl: str, args, train_tokens, val, vocab_size: int, pa
     return result
 
 
+# -- kernel error on the training's own inputs ---------------------------------------------------
+
+
+def op_errors(family: str, args, train_tokens: np.ndarray, vocab_size: int, n_layers: int = 5) -> dict:
+    """Train ttr's model ``args.op_errors`` steps of the recipe, then capture the chunkwise op's
+    inputs and the gradient arriving at its output at ``n_layers`` layers (one bf16 forward and
+    backward of the next batch), and run ttr's and fla's op on exactly those: the relative RMS
+    error of the output and of every input gradient against float64 (ttr's torch form), and the
+    projection of each on the exact one (1 = no bias). What the parity runs cannot say, that a
+    kernel is less exact than the reference on the inputs training gives it, this does."""
+    import contextlib
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    module, name, ttr_op, fla_op = layer_op(family)
+    config = ttr_config(family, args.size, vocab_size)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config).cuda()
+    opt = make_optimizer(model, args)
+    for step in range(args.op_errors):
+        train_step(model, opt, train_tokens[step], step, args)
+    del opt
+    captured = []
+
+    def capture(*inputs, **kwargs):
+        o, state = ttr_op(*inputs, **kwargs)
+        record = {"inputs": [t.detach().clone() for t in inputs]}
+        o.register_hook(lambda grad: record.__setitem__("do", grad.detach().clone()))
+        captured.append(record)
+        return o, state
+
+    setattr(module, name, capture)
+    try:
+        x = torch.from_numpy(train_tokens[args.op_errors]).long().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    finally:
+        setattr(module, name, ttr_op)
+    del model
+
+    @contextlib.contextmanager
+    def torch_backend():  # float64 runs on ttr's torch form
+        old = os.environ.get("TTR_KERNEL_BACKEND")
+        os.environ["TTR_KERNEL_BACKEND"] = "torch"
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["TTR_KERNEL_BACKEND"]
+            else:
+                os.environ["TTR_KERNEL_BACKEND"] = old
+
+    def run(op, inputs, do, dtype=None):
+        xs = [(t if dtype is None else t.to(dtype)).detach().clone().requires_grad_(True) for t in inputs]
+        o, _ = op(*xs)
+        grads = torch.autograd.grad(o, xs, do.to(o.dtype))
+        return [o.detach().double()] + [g.double() for g in grads]
+
+    names = ["o"] + [f"d{n}" for n in {"gla": ["q", "k", "v", "g"], "delta_net": ["q", "k", "v", "beta"]}.get(
+        family, ["q", "k", "v", "g", "beta"])]
+    picks = sorted({round(i * (len(captured) - 1) / max(1, n_layers - 1)) for i in range(n_layers)})
+    rows = []
+    for index in picks:
+        record = captured[index]
+        with torch_backend():
+            exact = run(ttr_op, record["inputs"], record["do"], torch.float64)
+        row = {"call": index}
+        for impl, op in (("ttr", ttr_op), ("reference", fla_op)):
+            got = run(op, record["inputs"], record["do"])
+            row[impl] = {n: {"rel_err": ((a - b).norm() / b.norm()).item(),
+                             "projection": ((a * b).sum() / (b * b).sum()).item()}
+                         for n, a, b in zip(names, got, exact)}
+        rows.append(row)
+        print(f"  {family} layer call {index}: " + "; ".join(
+            f"{n} {row['ttr'][n]['rel_err']:.2e} / {row['reference'][n]['rel_err']:.2e}" for n in names)
+            + "  (ttr / fla, relative RMS error against float64)", flush=True)
+    return {"family": family, "steps_trained": args.op_errors, "outputs": names, "rows": rows}
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -380,7 +452,7 @@ def report(paths: list[str], plot: str | None) -> str:
         files += sorted(p.glob("*.json")) if p.is_dir() else [p]
     results: dict[str, dict] = {}
     for f in files:
-        if f.name.endswith(".gradcheck.json"):
+        if f.name.endswith((".gradcheck.json", ".operrors.json")):
             continue
         run = json.loads(f.read_text())
         if "final_val" not in run:
@@ -459,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-grad-check", action="store_true")
     parser.add_argument("--data-cache", help="an .npz to read the encoded batches from (written when missing)")
     parser.add_argument("--prepare-only", action="store_true", help="only encode the data (into --data-cache)")
-    parser.add_argument("--grad-oracle", action="store_true",
-                        help="only compare ttr's and the reference's bf16 gradients with exact fp32 ones")
+    parser.add_argument("--op-errors", type=int, metavar="STEPS",
+                        help="only measure the chunkwise op's bf16 error against float64, ttr's and fla's, on the "
+                             "inputs of ttr's model after STEPS training steps (fla families)")
     parser.add_argument("--out", default="runs/parity", help="folder for <family>.json")
     parser.add_argument("--report", nargs="+", metavar="PATH", help="merge result files/folders into a table")
     parser.add_argument("--plot", help="with --report: write the validation curves here (PNG)")
@@ -475,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     impls = [i for i in args.impls.split(",") if i]
     if not set(impls) <= {"ttr", "reference", "swap"}:
         parser.error(f"--impls takes some of ttr, reference, swap; got {args.impls!r}")
+    if args.op_errors is not None:
+        if not 0 <= args.op_errors < args.steps:
+            parser.error(f"--op-errors must be in [0, --steps), got {args.op_errors}")
+        if not set(families) <= set(FLA_OPS):
+            parser.error(f"--op-errors measures the fla families {sorted(FLA_OPS)}; got --families {args.families}")
     if not torch.cuda.is_available() and not args.prepare_only:
         parser.error("needs a CUDA GPU")
     for name in ("steps", "batch", "seq_len", "val_every", "val_batches", "warmup"):
@@ -499,12 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if args.prepare_only:
         return 0
-    if args.grad_oracle:
+    if args.op_errors is not None:
         for family in families:
-            config = ttr_config(family, args.size, tokenizer.vocab_size)
-            check = grad_check(config, torch.from_numpy(train_tokens[0][:2]).long(), oracle=True)
-            print(family, json.dumps(check), flush=True)
-            (out / f"{family}.gradcheck.json").write_text(json.dumps(check))
+            result = op_errors(family, args, train_tokens, tokenizer.vocab_size)
+            (out / f"{family}.operrors.json").write_text(json.dumps(dict(result, env=env)))
         return 0
     for family in families:
         for impl in impls:

@@ -1,0 +1,87 @@
+"""The parity benchmark's CPU-checkable parts: arguments, the swap table, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ttr.scripts import bench_parity
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--families", "rwkv"], "--families"),
+        (["--impls", "ttr,mine"], "--impls"),
+        (["--op-errors", "1000"], "--op-errors must be in"),
+        (["--op-errors", "-1"], "--op-errors must be in"),
+        (["--op-errors", "10", "--families", "mamba2"], "--op-errors measures the fla families"),
+    ],
+)
+def test_arguments_are_checked_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_parity.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", sorted(bench_parity.FLA_OPS))
+def test_swap_table_names_the_op_each_layer_calls(family, monkeypatch):
+    """Each entry is the name the ttr layer module calls its op by and fla's op of that name, so the
+    swap run and the op-error probe replace exactly the op that trains."""
+    pytest.importorskip("fla")
+    module, name, ttr_op, fla_op = bench_parity.layer_op(family)
+    assert ttr_op.__module__.startswith("ttr.kernels.") and fla_op.__module__.startswith("fla.")
+    config = bench_parity.ttr_config(family, "340m", 8192)
+    monkeypatch.setattr(module, name, ttr_op)  # restored after the test
+    bench_parity.swap_in_reference_kernels(config)
+    assert getattr(module, name) is fla_op
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    args = type("A", (), dict(lr=1e-3, min_lr=1e-4, warmup=30, steps=1000))()
+    assert bench_parity.lr_at(0, args) == pytest.approx(1e-3 / 30)
+    assert bench_parity.lr_at(29, args) == pytest.approx(1e-3)
+    assert bench_parity.lr_at(999, args) == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_report_compares_at_the_last_common_step_and_skips_probe_files(tmp_path):
+    def run(impl, vals):
+        return {"family": "gla", "impl": impl, "size": "340m", "reference": "fla 0.6.0 GLAForCausalLM",
+                "partial": {"losses": [1.0], "val": vals}}
+
+    (tmp_path / "gla.ttr.json").write_text(json.dumps(run("ttr", [[100, 5.0], [200, 4.04], [300, 3.9]])))
+    (tmp_path / "gla.reference.json").write_text(json.dumps(run("reference", [[100, 5.1], [200, 4.0]])))
+    (tmp_path / "gla.operrors.json").write_text(json.dumps({"family": "gla", "rows": []}))
+    table = bench_parity.report([str(tmp_path)], None)
+    assert "| gla | 4.0400 | fla 0.6.0 GLAForCausalLM | 4.0000 | 200 | 1.0100 (meets <= 1.01) |" in table
+
+
+def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
+    """The op-error probe's plumbing (train, capture the op's inputs and upstream gradient, rerun
+    the ops, compare with float64) on the CPU: a debug model, ttr's op standing in for fla's."""
+    import numpy as np
+    import torch
+
+    from ttr.models.layers import delta_net as module
+    from ttr.models.presets import get_preset
+
+    ttr_op = module.chunk_delta_rule
+    monkeypatch.setattr(bench_parity, "layer_op", lambda family: (module, "chunk_delta_rule", ttr_op, ttr_op))
+    monkeypatch.setattr(bench_parity, "ttr_config", lambda family, size, vocab: get_preset("delta_net-debug",
+                                                                                            vocab_size=vocab))
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda device_type, **k: autocast("cpu", **k))
+    args = type("A", (), dict(size="debug", seed=0, op_errors=2, lr=1e-3, min_lr=1e-4, warmup=1, steps=10,
+                              weight_decay=0.1, clip=1.0))()
+    tokens = np.random.default_rng(0).integers(0, 256, size=(3, 1, 64))
+    result = bench_parity.op_errors("delta_net", args, tokens, 256, n_layers=2)
+    assert result["outputs"] == ["o", "dq", "dk", "dv", "dbeta"]
+    assert len(result["rows"]) >= 1
+    for row in result["rows"]:
+        for impl in ("ttr", "reference"):
+            for out in result["outputs"]:
+                err = row[impl][out]
+                assert 0 <= err["rel_err"] < 2e-2 and abs(err["projection"] - 1) < 2e-2
