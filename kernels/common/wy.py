@@ -187,10 +187,10 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
 
     # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
-    # Both products take fp32 operands. As plain tf32 (the default for fp32 dots) each operand loses
-    # its 13 low mantissa bits, and DeltaNet then trained measurably worse than with exact products
-    # (docs/benchmarks.md, parity); three tf32 products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy
-    # on the tensor cores.
+    # Both products take fp32 operands (the inverse and dT). As plain tf32 (the default for fp32
+    # dots) each operand loses its 13 low mantissa bits, truncated, not rounded; three tf32
+    # products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy on the tensor cores for 1-3 % of the
+    # op's time (docs/benchmarks.md).
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
     b_dA = _dot3(tl.trans(b_Ai), b_dT * b_beta[None, :])
     b_dA = tl.where(m_A, -_dot3(b_dA, tl.trans(b_Ai)), 0.)
