@@ -188,7 +188,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
 
     # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
     # Both products take fp32 operands (the inverse and dT). As plain tf32 (the default for fp32
-    # dots) each operand loses its 13 low mantissa bits, truncated, not rounded; three tf32
+    # dots) each operand keeps 10 of its 23 mantissa bits; three tf32
     # products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy on the tensor cores for 1-3 % of the
     # op's time (docs/benchmarks.md).
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
