@@ -32,6 +32,7 @@ markdown table of ``docs/benchmarks.md`` and a plot of the curves.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -173,17 +174,27 @@ def layer_op(family: str):
     return module, name, getattr(module, name), getattr(importlib.import_module(fla_module), name)
 
 
-def swap_in_reference_kernels(config) -> None:
+# Families whose fla layer L2-normalises q and k inside the chunkwise op (use_qk_l2norm_in_kernel).
+L2_IN_KERNEL = ("delta_net", "gated_deltanet", "gated_deltanet_h1")
+
+
+def swap_in_reference_kernels(config, l2_in_kernel: bool = False) -> None:
     """Route ttr's chunkwise mixer ops to the reference's kernels (fla's, and mamba_ssm's SSD for
     Mamba2), leaving the rest of ttr's model as it is. A diagnostic: when a family trains behind its
     reference, this run says whether the kernels are the cause (it then follows the reference's
-    curve) or the layers around them (it stays with ttr's)."""
+    curve) or the layers around them (it stays with ttr's). With ``l2_in_kernel`` (the delta rules)
+    the q/k L2 norm moves into fla's op too, as fla's layers call it, instead of ttr's own norm."""
     from ttr.models.layers import mamba2
     from ttr.scripts.reference_models import family_of
 
     family = family_of(config)
+    if l2_in_kernel and family not in L2_IN_KERNEL:
+        raise ValueError(f"{family}: its fla layer has no q/k L2 norm inside the op")
     if family in FLA_OPS:
         module, name, _, fla_op = layer_op(family)
+        if l2_in_kernel:
+            module.l2_normalize = lambda x: x
+            fla_op = functools.partial(fla_op, use_qk_l2norm_in_kernel=True)
         setattr(module, name, fla_op)
     elif family == "mamba2":
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -210,9 +221,9 @@ def build(impl: str, config, seed: int):
     from ttr.scripts.reference_models import build_reference, check_same_shape
 
     torch.manual_seed(seed)
-    if impl in ("ttr", "swap"):
-        if impl == "swap":
-            swap_in_reference_kernels(config)
+    if impl in ("ttr", "swap", "swap_l2"):
+        if impl != "ttr":
+            swap_in_reference_kernels(config, l2_in_kernel=impl == "swap_l2")
         model = AutoModelForCausalLM.from_config(config)
     else:
         model = build_reference(config)
@@ -374,7 +385,6 @@ def op_errors(family: str, args, train_tokens: np.ndarray, vocab_size: int, n_la
     projection of each on the exact one (1 = no bias). What the parity runs cannot say, that a
     kernel is less exact than the reference on the inputs training gives it, this does."""
     import contextlib
-    import os
 
     from transformers import AutoModelForCausalLM
 
@@ -515,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--impls", default="ttr,reference",
                         help="which models to train: ttr, reference, and swap (diagnostic: ttr's model with the "
-                             "reference's chunkwise kernel in place of ttr's)")
+                             "reference's chunkwise kernel in place of ttr's) or swap_l2 (the delta rules: fla's kernel "
+                             "with the q/k L2 norm inside it, as fla's layer calls it)")
     parser.add_argument("--size", default="340m")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=8)
@@ -546,8 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--families: unknown {unknown}; expected some of {FAMILIES}")
     impls = [i for i in args.impls.split(",") if i]
-    if not set(impls) <= {"ttr", "reference", "swap"}:
-        parser.error(f"--impls takes some of ttr, reference, swap; got {args.impls!r}")
+    if not set(impls) <= {"ttr", "reference", "swap", "swap_l2"}:
+        parser.error(f"--impls takes some of ttr, reference, swap, swap_l2; got {args.impls!r}")
+    if "swap_l2" in impls and not set(families) <= set(L2_IN_KERNEL):
+        parser.error(f"--impls swap_l2 runs the delta rules {list(L2_IN_KERNEL)}; got --families {args.families}")
     if args.op_errors is not None:
         if not 0 <= args.op_errors < args.steps:
             parser.error(f"--op-errors must be in [0, --steps), got {args.op_errors}")

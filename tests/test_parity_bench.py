@@ -17,6 +17,7 @@ from ttr.scripts import bench_parity
         (["--op-errors", "1000"], "--op-errors must be in"),
         (["--op-errors", "-1"], "--op-errors must be in"),
         (["--op-errors", "10", "--families", "mamba2"], "--op-errors measures the fla families"),
+        (["--impls", "swap_l2", "--families", "gla"], "--impls swap_l2 runs the delta rules"),
     ],
 )
 def test_arguments_are_checked_by_name(argv, message, capsys):
@@ -36,6 +37,24 @@ def test_swap_table_names_the_op_each_layer_calls(family, monkeypatch):
     monkeypatch.setattr(module, name, ttr_op)  # restored after the test
     bench_parity.swap_in_reference_kernels(config)
     assert getattr(module, name) is fla_op
+
+
+@pytest.mark.parametrize("family", bench_parity.L2_IN_KERNEL)
+def test_swap_l2_moves_the_qk_norm_into_flas_op(family, monkeypatch):
+    pytest.importorskip("fla")
+    import inspect
+
+    module, name, ttr_op, fla_op = bench_parity.layer_op(family)
+    assert "use_qk_l2norm_in_kernel" in inspect.signature(fla_op).parameters
+    monkeypatch.setattr(module, name, ttr_op)
+    monkeypatch.setattr(module, "l2_normalize", module.l2_normalize)
+    bench_parity.swap_in_reference_kernels(bench_parity.ttr_config(family, "340m", 8192), l2_in_kernel=True)
+    swapped = getattr(module, name)
+    assert swapped.func is fla_op and swapped.keywords == {"use_qk_l2norm_in_kernel": True}
+    x = object()
+    assert module.l2_normalize(x) is x
+    with pytest.raises(ValueError, match="gla"):
+        bench_parity.swap_in_reference_kernels(bench_parity.ttr_config("gla", "340m", 8192), l2_in_kernel=True)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
