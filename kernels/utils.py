@@ -8,6 +8,7 @@ CPU tensors too, which is how CI checks them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -18,6 +19,23 @@ from ttr.kernels.common.index import Packing, check_cu_seqlens_form, host_cu_seq
 BACKENDS = ("triton", "torch")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+
+
+@contextlib.contextmanager
+def backend_override(backend: str):
+    """Inside the block every op runs on ``backend`` (``TTR_KERNEL_BACKEND``, restored afterwards):
+    benchmarks timing both backends, and float64 oracles of ops that otherwise refuse float64."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    old = os.environ.get("TTR_KERNEL_BACKEND")
+    os.environ["TTR_KERNEL_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TTR_KERNEL_BACKEND", None)
+        else:
+            os.environ["TTR_KERNEL_BACKEND"] = old
 
 
 def interpreter_active() -> bool:

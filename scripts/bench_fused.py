@@ -17,7 +17,6 @@ the inputs):
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from ttr.kernels.conv import causal_conv1d
 from ttr.kernels.loss import linear_cross_entropy
 from ttr.kernels.norm import gated_rms_norm, rms_norm
+from ttr.kernels.utils import backend_override
 from ttr.scripts.bench_utils import peak_mib, time_ms
 
 SECTIONS = ("loss", "conv", "norm")
@@ -50,15 +50,8 @@ def with_backend(backend, fn):
     """Run ``fn`` with TTR_KERNEL_BACKEND set to ``backend`` (restored afterwards)."""
 
     def run():
-        old = os.environ.get("TTR_KERNEL_BACKEND")
-        os.environ["TTR_KERNEL_BACKEND"] = backend
-        try:
+        with backend_override(backend):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop("TTR_KERNEL_BACKEND")
-            else:
-                os.environ["TTR_KERNEL_BACKEND"] = old
 
     return run
 

@@ -290,6 +290,8 @@ def evaluate(model, val: np.ndarray) -> float:
 
 
 def make_optimizer(model, args):
+    """AdamW with decay on every parameter of two or more dims: a rule that needs no parameter
+    names, so ttr and each reference get the same grouping (``ttr.optim`` groups by ttr's names)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -384,9 +386,9 @@ def op_errors(family: str, args, train_tokens: np.ndarray, vocab_size: int, n_la
     error of the output and of every input gradient against float64 (ttr's torch form), and the
     projection of each on the exact one (1 = no bias). What the parity runs cannot say, that a
     kernel is less exact than the reference on the inputs training gives it, this does."""
-    import contextlib
-
     from transformers import AutoModelForCausalLM
+
+    from ttr.kernels.utils import backend_override
 
     module, name, ttr_op, fla_op = layer_op(family)
     config = ttr_config(family, args.size, vocab_size)
@@ -414,18 +416,6 @@ def op_errors(family: str, args, train_tokens: np.ndarray, vocab_size: int, n_la
         setattr(module, name, ttr_op)
     del model
 
-    @contextlib.contextmanager
-    def torch_backend():  # float64 runs on ttr's torch form
-        old = os.environ.get("TTR_KERNEL_BACKEND")
-        os.environ["TTR_KERNEL_BACKEND"] = "torch"
-        try:
-            yield
-        finally:
-            if old is None:
-                del os.environ["TTR_KERNEL_BACKEND"]
-            else:
-                os.environ["TTR_KERNEL_BACKEND"] = old
-
     def run(op, inputs, do, dtype=None):
         xs = [(t if dtype is None else t.to(dtype)).detach().clone().requires_grad_(True) for t in inputs]
         o, _ = op(*xs)
@@ -438,7 +428,7 @@ def op_errors(family: str, args, train_tokens: np.ndarray, vocab_size: int, n_la
     rows = []
     for index in picks:
         record = captured[index]
-        with torch_backend():
+        with backend_override("torch"):  # float64 runs on ttr's torch form
             exact = run(ttr_op, record["inputs"], record["do"], torch.float64)
         row = {"call": index}
         for impl, op in (("ttr", ttr_op), ("reference", fla_op)):

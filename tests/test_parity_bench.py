@@ -96,9 +96,10 @@ def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
     args = type("A", (), dict(size="debug", seed=0, op_errors=2, lr=1e-3, min_lr=1e-4, warmup=1, steps=10,
                               weight_decay=0.1, clip=1.0))()
     tokens = np.random.default_rng(0).integers(0, 256, size=(3, 1, 64))
+    layers = get_preset("delta_net-debug", vocab_size=256).num_hidden_layers
     result = bench_parity.op_errors("delta_net", args, tokens, 256, n_layers=2)
     assert result["outputs"] == ["o", "dq", "dk", "dv", "dbeta"]
-    assert len(result["rows"]) >= 1
+    assert [row["call"] for row in result["rows"]] == [0, layers - 1]  # the first and the last layer
     for row in result["rows"]:
         for impl in ("ttr", "reference"):
             for out in result["outputs"]:

@@ -174,3 +174,22 @@ def test_unpacked_plans_are_cached_and_index_every_row():
     b = prepare_chunks(None, 3, 129, device="cpu")
     assert b is not a and b.num_chunks == 9 and a.num_chunks == 9
     assert prepare_chunks(torch.tensor([0, 130]), 1, 130) is not prepare_chunks(torch.tensor([0, 130]), 1, 130)
+
+
+def test_backend_override_sets_and_restores(monkeypatch):
+    import os
+
+    from ttr.kernels.utils import backend_override, kernel_backend
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    with backend_override("torch"):
+        assert kernel_backend(torch.zeros(1)) == "torch"
+    assert os.environ["TTR_KERNEL_BACKEND"] == "triton"
+    monkeypatch.delenv("TTR_KERNEL_BACKEND")
+    with pytest.raises(RuntimeError, match="inside"):
+        with backend_override("torch"):
+            raise RuntimeError("inside")
+    assert "TTR_KERNEL_BACKEND" not in os.environ
+    with pytest.raises(ValueError, match="backend"):
+        with backend_override("cuda"):
+            pass
