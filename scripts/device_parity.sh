@@ -16,14 +16,17 @@ fi
 export PYTHONPATH=/tmp/ttr_pkg:/tmp/site:$PWD/.whl/ref
 bench() { python3 -W ignore -m ttr.scripts.bench_parity --out "$OUT/parity" --data-cache /tmp/parity.npz "$@"; }
 bench --prepare-only "$@" 2>&1 | tail -3
+# FAMILY.IMPL@SEED draws that run's initial weights with SEED (--init-seed; the data order stays;
+# it writes FAMILY.IMPL.initSEED.json)
 for run in $RUNS; do
-  f=${run%.*} i=${run#*.}
-  (bench --families "$f" --impls "$i" "$@" 2>&1 | grep --line-buffered -v Writing | sed -u "s/^/[$run] /" >>"$OUT/train.log") &
+  f=${run%%.*} i=${run#*.} seed=()
+  if [[ $i == *@* ]]; then seed=(--init-seed "${i#*@}"); i=${i%@*}; fi
+  (bench --families "$f" --impls "$i" "${seed[@]}" "$@" 2>&1 | grep --line-buffered -v Writing | sed -u "s/^/[$run] /" >>"$OUT/train.log") &
 done
 # OP_ERRORS="delta_net gla": the op's bf16 error on the inputs of a model trained 100 steps, ttr's and fla's
 for family in ${OP_ERRORS:-}; do
   (bench --op-errors 100 --families "$family" "$@" 2>&1 | grep --line-buffered -v Writing | sed -u "s/^/[op-errors] /" >>"$OUT/train.log") &
 done
 wait
-grep -E "step 1000|gradient check|op-errors|Error" "$OUT/train.log" | tail -40
+grep -E "step (5|10)00|gradient check|op-errors|Error" "$OUT/train.log" | tail -40
 bench --report "$OUT/parity"

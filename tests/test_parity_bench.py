@@ -73,7 +73,7 @@ def test_report_compares_at_the_last_common_step_and_skips_probe_files(tmp_path)
     (tmp_path / "gla.reference.json").write_text(json.dumps(run("reference", [[100, 5.1], [200, 4.0]])))
     (tmp_path / "gla.operrors.json").write_text(json.dumps({"family": "gla", "rows": []}))
     table = bench_parity.report([str(tmp_path)], None)
-    assert "| gla | 4.0400 | fla 0.6.0 GLAForCausalLM | 4.0000 | 200 | 1.0100 (meets <= 1.01) |" in table
+    assert "| gla | fla 0.6.0 GLAForCausalLM | 4.0400 | 4.0000 | 1.0100 at step 200 (meets <= 1.01) |  |  |" in table
 
 
 def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
@@ -105,3 +105,52 @@ def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
             for out in result["outputs"]:
                 err = row[impl][out]
                 assert 0 <= err["rel_err"] < 2e-2 and abs(err["projection"] - 1) < 2e-2
+
+
+def test_report_lists_the_other_runs_against_the_reference(tmp_path):
+    def run(impl, vals, label=None):
+        out = {"family": "delta_net", "impl": impl, "size": "340m", "reference": "fla 0.6.0 DeltaNetForCausalLM",
+               "partial": {"losses": [1.0], "val": vals}}
+        return dict(out, label=label) if label else out
+
+    (tmp_path / "a.json").write_text(json.dumps(run("ttr", [[100, 4.2], [200, 3.6]])))
+    (tmp_path / "b.json").write_text(json.dumps(run("reference", [[100, 4.0], [200, 3.5]])))
+    (tmp_path / "c.json").write_text(json.dumps(run("ttr_refinit", [[100, 4.04]])))
+    table = bench_parity.report([str(tmp_path)], None)
+    assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.6000 | 3.5000 | 1.0286 at step 200 (**misses** <= 1.01) | "
+            "4.0400 | 1.0100 at step 100 (meets <= 1.01) |") in table
+    assert "| delta_net | ttr_refinit | 4.0400 | 100 | 1.0100 |" in table
+    # a second draw of ttr's weights: the ratio compares the means of the draws
+    (tmp_path / "d.json").write_text(json.dumps(run("ttr", [[100, 4.1], [200, 3.466]], label="ttr.init1")))
+    table = bench_parity.report([str(tmp_path)], None)
+    assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.5330 (mean of 2: 3.6000, 3.4660) | 3.5000 | "
+            "1.0094 at step 200 (meets <= 1.01) |") in table
+    assert "| delta_net | ttr.init1 | 3.4660 | 200 | 0.9903 |" in table
+
+
+def test_init_seed_names_the_run_and_draws_the_weights_only():
+    args = type("A", (), dict(seed=0, init_seed=None))()
+    assert (bench_parity.init_seed(args), bench_parity.run_label("ttr", args)) == (0, "ttr")
+    args.init_seed = 3
+    assert (bench_parity.init_seed(args), bench_parity.run_label("ttr", args)) == (3, "ttr.init3")
+    with pytest.raises(SystemExit):
+        bench_parity.main(["--impls", "ttr,nope", "--init-seed", "1"])
+
+
+def test_ttr_from_reference_starts_from_the_references_weights():
+    """``--impls ttr_refinit``: ttr's model built from the reference's initial weights gives the
+    reference's logits (HF Llama at a debug shape, fp32 on the CPU)."""
+    import torch
+
+    from ttr.models.presets import get_preset
+
+    config = get_preset("transformer-debug", vocab_size=128)
+    mine, ref = bench_parity.ttr_from_reference(config, seed=5, device="cpu")
+    again, _ = bench_parity.ttr_from_reference(config, seed=5, device="cpu")
+    other, _ = bench_parity.ttr_from_reference(config, seed=6, device="cpu")
+    ids = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        logits = ref(ids).logits
+        assert (mine(ids).logits - logits).abs().max() < 1e-4
+        assert torch.equal(mine(ids).logits, again(ids).logits)
+        assert (other(ids).logits - logits).abs().max() > 1e-3
