@@ -491,7 +491,7 @@ def report(paths: list[str], plot: str | None) -> str:
         files += sorted(p.glob("*.json")) if p.is_dir() else [p]
     results: dict[str, dict] = {}
     for f in files:
-        if f.name.endswith((".gradcheck.json", ".operrors.json")):
+        if f.name.endswith(".operrors.json"):
             continue
         run = json.loads(f.read_text())
         if "final_val" not in run:

@@ -128,13 +128,30 @@ def test_report_lists_the_other_runs_against_the_reference(tmp_path):
     assert "| delta_net | ttr.init1 | 3.4660 | 200 | 0.9903 |" in table
 
 
-def test_init_seed_names_the_run_and_draws_the_weights_only():
-    args = type("A", (), dict(seed=0, init_seed=None))()
+def test_init_seed_names_the_run_and_leaves_the_data(tmp_path, monkeypatch):
+    """A draw of the weights (--init-seed) trains on the very batches of the default run: the data
+    cache's key is --seed's, so a second draw reads the first run's encoding; another --seed does not."""
+    import numpy as np
+
+    args = type("A", (), dict(seed=0, init_seed=None, steps=2, batch=1, seq_len=4, val_batches=1,
+                              data_cache=str(tmp_path / "data.npz")))()
     assert (bench_parity.init_seed(args), bench_parity.run_label("ttr", args)) == (0, "ttr")
+    encoded = []
+
+    def encode(a, tokenizer):
+        encoded.append(a.seed)
+        return np.full((2, 1, 4), a.seed), np.zeros((1, 1, 4))
+
+    monkeypatch.setattr(bench_parity, "_encode_data", encode)
+    tokenizer = type("T", (), dict(vocab_size=8))()
+    first, _ = bench_parity.build_data(args, tokenizer)
     args.init_seed = 3
     assert (bench_parity.init_seed(args), bench_parity.run_label("ttr", args)) == (3, "ttr.init3")
-    with pytest.raises(SystemExit):
-        bench_parity.main(["--impls", "ttr,nope", "--init-seed", "1"])
+    again, _ = bench_parity.build_data(args, tokenizer)
+    assert encoded == [0] and np.array_equal(first, again)
+    args.seed = 1
+    bench_parity.build_data(args, tokenizer)
+    assert encoded == [0, 1]
 
 
 def test_ttr_from_reference_starts_from_the_references_weights():
