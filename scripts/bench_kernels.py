@@ -10,7 +10,8 @@ T = 1024, at most 4 heads).
 Ops and their references: ``gated_delta``, ``delta`` (fla ``chunk_gated_delta_rule`` /
 ``chunk_delta_rule``), ``gla`` (fla ``chunk_gla``), ``simple_gla`` (fla ``chunk_simple_gla``),
 ``ssd`` (ttr's Mamba2 input form, against fla ``chunk_simple_gla`` on the same inputs mapped as
-Mamba2 does: B and C expanded over the heads of their group, v = x dt, g = A dt, scale 1),
+Mamba2 does: B and C expanded over the heads of their group, v = x dt, g = A dt, scale 1; the
+map is done beforehand, so the reference's time is fla's kernel alone),
 ``swa`` (ttr's attention with a window, against SDPA with a boolean band mask) and ``attn`` (full
 causal, against SDPA's flash backend). Gates as in fla's own benchmarks: ``logsigmoid(x) / 16`` per
 key dimension for GLA, ``logsigmoid(x)`` per head otherwise.
@@ -175,13 +176,20 @@ def simple_gla_inputs(B, T, s, dtype, device):
 
 
 def ssd_inputs(B, T, s, dtype, device):
-    return {
+    """Mamba2's inputs for ttr's op, and the same math as simple GLA's ``q, k, v, g`` (B and C
+    expanded over the heads, ``v = x dt``, ``g = A dt``) as inputs of their own for fla's op: the
+    reference is timed as its kernel alone, not with the torch ops that map the inputs onto it."""
+    from ttr.kernels.ssd.reference import ssd_as_simple_gla
+
+    x = {
         "x": torch.randn(B, T, s.H, s.V, device=device, dtype=dtype),
         "dt": F.softplus(torch.randn(B, T, s.H, device=device) - 3.0),
         "A": -torch.rand(s.H, device=device).mul(15).add(1),
         "B": (torch.randn(B, T, s.groups, s.K, device=device) * s.K**-0.5).to(dtype),
         "C": torch.randn(B, T, s.groups, s.K, device=device, dtype=dtype),
     }
+    mapped = ssd_as_simple_gla(x["x"], x["dt"], x["A"], x["B"], x["C"])
+    return {**x, **{n: t.contiguous() for n, t in zip(("q", "k", "v", "g"), mapped)}}
 
 
 def attention_inputs(B, T, s, dtype, device):
@@ -210,10 +218,7 @@ def _fla(name: str):
             return chunk_gla(x["q"], x["k"], x["v"], x["g"])[0]
         from fla.ops.simple_gla import chunk_simple_gla
         if name == "ssd":
-            from ttr.kernels.ssd.reference import ssd_as_simple_gla
-
-            q, k, v, g = ssd_as_simple_gla(x["x"], x["dt"], x["A"], x["B"], x["C"])
-            return chunk_simple_gla(q, k, v, g, scale=1.0)[0]
+            return chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], scale=1.0)[0]
         return chunk_simple_gla(x["q"], x["k"], x["v"], x["g"])[0]
     return call
 
@@ -249,7 +254,7 @@ def rows() -> dict[str, Row]:
         "gla": Row(qkvg(chunk_gla), _fla("gla"), "fla chunk_gla", gla_inputs, qkvg(reference_gla)),
         "simple_gla": Row(qkvg(chunk_simple_gla), _fla("simple_gla"), "fla chunk_simple_gla", simple_gla_inputs,
                           qkvg(reference_simple_gla)),
-        "ssd": Row(ssd(chunk_ssd), _fla("ssd"), "fla chunk_simple_gla (B, C expanded)", ssd_inputs,
+        "ssd": Row(ssd(chunk_ssd), _fla("ssd"), "fla chunk_simple_gla (B, C expanded beforehand)", ssd_inputs,
                    ssd(reference_ssd)),
         "swa": Row(attn(attention), _sdpa, "SDPA, band mask", attention_inputs, attn(reference_attention)),
         "attn": Row(attn(attention), _sdpa, "SDPA, is_causal", attention_inputs, attn(reference_attention)),
@@ -580,7 +585,42 @@ def simple_gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     }
 
 
+# the shape ``--stages`` times SSD at: Mamba2-1.3B's layer (H = 64, P = 64, N = 128, one group)
+SSD_STAGE_SHAPE = Shape("ssd", 64, 128, 64, groups=1)
+
+
+def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
+    """One closure per stage of chunk_ssd's forward and backward at ``SSD_STAGE_SHAPE``, on bf16
+    inputs; the keys of the grouped stages are their tuning names."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.ssd import grouped
+
+    x = ssd_inputs(B, T, SSD_STAGE_SHAPE, torch.bfloat16, device)
+    xs, dt, A, Bm, C = x["x"], x["dt"], x["A"], x["B"], x["C"]
+    D = torch.ones(SSD_STAGE_SHAPE.H, device=device)
+    plan = prepare_chunks(None, B, T, device=device)
+    do = torch.randn_like(xs)
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    v = xs * dt[..., None].to(xs.dtype)
+    h, _, _ = state_fwd(Bm, v, plan, g=gc)
+    cb = grouped.cb_fwd(C, Bm, plan)
+    dvi = grouped.output_bwd_dv(cb, gc, do, plan)
+    dh, _, _ = state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
+        "state_fwd": lambda: state_fwd(Bm, v, plan, g=gc),
+        "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
+        "ssd_output_fwd": lambda: grouped.output_fwd(C, v, h, cb, gc, plan, x=xs, D=D),
+        "ssd_output_bwd_dv": lambda: grouped.output_bwd_dv(cb, gc, do, plan),
+        "state_bwd": lambda: state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc),
+        "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
+    }
+
+
 STAGE_CALLS = {
+    "ssd": ssd_stage_calls,
     "gated_delta": lambda B, T, device: delta_stage_calls(B, T, True, device),
     "delta": lambda B, T, device: delta_stage_calls(B, T, False, device),
     "gla": gla_stage_calls,
@@ -605,6 +645,18 @@ SWEEPS = {
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
         "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64)) for ns in (2, 4)],
+    },
+    "ssd": {
+        "ssd_output_bwd_dcb": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
+                               for bv in (32, 64) for nw in (4, 8) for ns in (1, 2, 3)],
+        "ssd_output_fwd": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (32, 64)
+                           for nw in (4, 8) for ns in (2, 3)],
+        "ssd_output_bwd_dv": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (32, 64) for nw in (2, 4, 8)
+                              for ns in (1, 2, 3)],
+        "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
+                   for ns in (1, 2, 3)],
+        "state_fwd": [dict(two_level=False), dict(two_level=True)],
+        "state_bwd": [dict(two_level=False), dict(two_level=True)],
     },
     "simple_gla": {
         # BK 32 is left out: an illegal memory access on Hopper (Triton 3.6), not reproduced by the interpreter

@@ -62,7 +62,7 @@ def test_plan_keeps_the_uniform_rows():
 
 
 def test_bench_kernels_arguments_are_checked_by_name(capsys):
-    cases = [(["--ops", "lstm"], "--ops: unknown"), (["--stages", "--ops", "ssd"], "--ops: unknown"),
+    cases = [(["--ops", "lstm"], "--ops: unknown"), (["--stages", "--ops", "swa"], "--ops: unknown"),
              (["--presets", "gla-7b"], "--presets: unknown"), (["--seqlens", "4k"], "--seqlens"),
              (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs")]
     for argv, message in cases:
@@ -77,7 +77,7 @@ def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
     assert main(["bench", "--dry-run", "--seqlens", "2048,16384", "--ops", "gla,ssd"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "gla H=16 K=64 V=128 8 x 2048: fla chunk_gla; gla-1.3b"
-    assert out[2].startswith("ssd H=64 P=64 N=128 G=1 8 x 2048: fla chunk_simple_gla (B, C expanded); mamba2-1.3b")
+    assert out[2].startswith("ssd H=64 P=64 N=128 G=1 8 x 2048: fla chunk_simple_gla (B, C expanded beforehand); mamba2-1.3b")
     assert len(out) == 6
 
 
@@ -122,7 +122,7 @@ def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
 
 def test_bench_rows_and_stages_are_checked_by_name():
     """Every row of the kernel table is one of the script's own; --stages covers the engine's
-    pipelines (not SSD, which runs simple GLA's)."""
+    pipelines and SSD's grouped stages."""
     assert list(bench_kernels.rows()) == ["gated_delta", "delta", "gla", "simple_gla", "ssd", "swa", "attn"]
     assert set(bench_kernels.SWEEPS) <= set(bench_kernels.STAGE_CALLS) <= set(bench_kernels.rows())
 
@@ -138,6 +138,7 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
         pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
     monkeypatch.setattr(bench_kernels, "HEADS", 2)
     monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench_kernels, "SSD_STAGE_SHAPE", bench_kernels.Shape("ssd", 2, 16, 16, groups=1))
     for name, stage_calls in bench_kernels.STAGE_CALLS.items():
         calls = stage_calls(1, 80, torch.device("cpu"))
         assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)

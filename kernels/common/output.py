@@ -74,6 +74,14 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
     b_A = tl.where(m_A, b_A * scale, 0.)
+    scores_times_rows(b_A, do, dv, bos, i_c, i_h, T, H, V, BT, BV)
+
+
+@triton.jit
+def scores_times_rows(b_A, do, dv, bos, i_c, i_h, T, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BV: tl.constexpr):
+    """``dv = A dy`` for one chunk and head, ``b_A [BT, BT]`` in registers, over V in blocks of BV
+    (the intra-chunk value gradient of the output stage, generic and SSD's grouped one)."""
     for i_v in range(tl.cdiv(V, BV)):
         p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)

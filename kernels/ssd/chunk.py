@@ -1,7 +1,8 @@
-"""Chunkwise simple GLA and Mamba2 SSD in Triton: the engine's stages with a scalar gate.
+"""Chunkwise simple GLA and Mamba2 SSD in Triton: the engine's stages with a scalar gate (SSD's
+intra-chunk part by group, ``ssd.grouped``).
 
-Forward (chunk size 64, ``ttr.kernels.common``): ``G = chunk_local_cumsum(g)``; states by
-``state.state_fwd(k, v, g=G)``; ``o = scale (q ⊙ exp(G)) h + scale (q k^T ⊙ causal ⊙ Γ) v`` by
+Simple GLA's forward (chunk size 64, ``ttr.kernels.common``): ``G = chunk_local_cumsum(g)``; states
+by ``state.state_fwd(k, v, g=G)``; ``o = scale (q ⊙ exp(G)) h + scale (q k^T ⊙ causal ⊙ Γ) v`` by
 ``output.output_fwd``, ``Γ_ij = exp(G_i - G_j)`` formed as a masked difference (exponent <= 0).
 
 Backward (states ``h`` recomputed, or kept by the forward for long sequences:
@@ -14,20 +15,30 @@ Backward (states ``h`` recomputed, or kept by the forward for long sequences:
 and since ``G_t = sum_{s <= t in chunk} g_s``, ``dg_t = sum_{s >= t in chunk} dG_s``: the reverse
 chunk-local cumulative sum (``chunk_local_cumsum(dG, reverse=True)``).
 
-``chunk_ssd`` runs the same stages on Mamba2's inputs (``q = C, k = B, v = x dt, g = A dt``) as one
-autograd node, ``ChunkSSDFunction``: the stages read B and C by group (head h uses group
-``h // (H / G)``, no ``[B, T, H, N]`` copies), the chunk cumsum multiplies by ``A`` as it sums, and
-``v = x dt`` is one row kernel (``scale_rows``); the skip ``y += D x`` is another, after the output
-stage. The backward's row kernel gives ``dx = dv dt + D dy`` and ``ddt = sum_p dv x + A dg``, then
-``dA = sum dg dt``, ``dD = sum dy x`` and the group sums of dB, dC. The same map as torch ops around
-simple GLA costs a sizeable share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]``
-group copies and sums, and one autograd node per op.
+``chunk_ssd`` maps Mamba2's inputs onto the same recurrence (``q = C, k = B, v = x dt, g = A dt``) as
+one autograd node, ``ChunkSSDFunction``, with the state stages above and the intra-chunk stages of
+``ssd.grouped``, which use that B and C are shared by the ``H / G`` heads of a group (one group
+for all 64 heads at 1.3B). Forward: ``CB = C B^T`` once per chunk and group (fp32
+``[NT, G, 64, 64]``), states by ``state_fwd`` (B read by group, ``tile.qk_rows``), then per head
+``y = (C ⊙ exp(G)) h + (CB ⊙ causal ⊙ Γ) v + D x`` from the CB tile, the skip added in fp32 before
+the output's one rounding. Backward: CB again, the intra-chunk
+``dv = (CB ⊙ causal ⊙ Γ)^T dy``, ``state_bwd`` (``dh``, ``dh0``, the full ``dv``), then one program
+per (chunk, group, N block) walks the group's heads and accumulates dC and dB in registers (the
+gradients through ``C h``, ``B^T v`` and ``M = sum_h (dy_h v_h^T) ⊙ Γ_h``) while it stores each
+head's ``dG`` as above: ``dB``, ``dC [B, T, G, N]`` are written once, with no per-head
+``[B, T, H, N]`` gradients to sum over the group (it forms ``v = x dt`` from x and dt itself). The
+chunk cumsum multiplies by ``A`` as it sums and ``v = x dt`` is one row kernel (``scale_rows``) for
+the state pass; the backward's row kernel gives ``dx = dv dt + D dy`` and ``ddt = sum_p dv x + A dg``, then
+``dA = sum dg dt`` and ``dD = sum dy x``. The same map as torch ops around simple GLA would cost a
+sizeable share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and
+sums, and one autograd node per op.
 
-Memory: the backward keeps x, B, C and dt only; ``v`` and the cumulative gate are recomputed (a
-row kernel and a chunk cumsum) rather than kept, since a layer's kept tensors, summed over every
-layer, bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
-Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
-input projection), and runs the conv again in the backward instead of keeping x, B and C.
+Memory: the backward keeps x, B, C and dt only; ``v`` (where the states are recomputed), the
+cumulative gate and CB are recomputed (a row kernel, a chunk cumsum and a ``64 x 64 x N`` product
+per chunk and group) rather than kept, since a layer's kept tensors, summed over every layer,
+bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes Mamba2's short conv in: it keeps the
+conv's input, which the layer keeps anyway (a slice of its input projection), and runs the conv
+again in the backward instead of keeping x, B and C.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.conv import conv_bwd, conv_fwd, rows_in_place, torch_causal_conv1d
 from ttr.kernels.gla.reference import check_gla_inputs
+from ttr.kernels.ssd import grouped
 from ttr.kernels.ssd.reference import (
     check_conv_ssd_inputs,
     check_ssd_inputs,
@@ -112,15 +124,6 @@ def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl
 
 
 @triton.jit
-def skip_rows_kernel(x, D, o, R, H: tl.constexpr, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    """``o += D[h] x`` in fp32, one rounding (row r = (b, t, h))."""
-    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
-    b_o = tl.load(o + offs, mask=m, other=0.).to(tl.float32)
-    b_d = tl.load(D + rows % H, mask=m_r, other=0.)
-    tl.store(o + offs, (b_o + b_d[:, None] * b_x).to(o.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def scale_rows_bwd_kernel(x, dt, dv, dg, A, do, D, dx, ddt, dA, dD, R, H: tl.constexpr, P: tl.constexpr,
                           BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr, HAS_D: tl.constexpr):
     """``dx = dv dt (+ D[h] do)``, ``ddt = sum_p dv x + dg A[h]`` and this program's parts of
@@ -150,15 +153,9 @@ def _scale_rows_launch(P: int) -> tuple[int, int]:
     return BP, max(1, 4096 // BP)
 
 
-def _group_sum(dy: torch.Tensor, groups: int) -> torch.Tensor:
-    """Per-head gradients ``[B, T, H, N]`` of B or C summed over the heads of each of the G groups."""
-    B, T, H, N = dy.shape
-    return dy if groups == H else dy.view(B, T, groups, H // groups, N).sum(3)
-
-
 def _values(x, dt):
-    """``v = x dt`` (x's dtype), the simple-GLA values of SSD; the backward recomputes it rather than
-    keeping a second tensor of x's size."""
+    """``v = x dt`` (x's dtype), the simple-GLA values of SSD, for the state pass; the backward forms it
+    again only to recompute the states, rather than keeping a second tensor of x's size."""
     v = torch.empty_like(x)
     BP, BR = _scale_rows_launch(x.shape[-1])
     scale_rows_fwd_kernel[(triton.cdiv(dt.numel(), BR),)](x, dt, v, dt.numel(), P=x.shape[-1], BR=BR, BP=BP)
@@ -167,22 +164,29 @@ def _values(x, dt):
 
 def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
     """``(y, final state, h if kept else None)`` of SSD on contiguous inputs, ``y = SSD + D x``. The
-    stages read B and C by group (``[batch, T, G, N]``: head h uses group ``h // (H / G)``)."""
+    stages read B and C by group (``[batch, T, G, N]``: head h uses group ``h // (H / G)``); the
+    intra-chunk scores ``C B^T`` are formed once per chunk and group (``grouped.cb_fwd``)."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    o, final, h = _forward(C, B, _values(x, dt), gc, initial_state, 1.0, output_final_state, plan)
-    if D is not None:
-        BP, BR = _scale_rows_launch(x.shape[-1])
-        skip_rows_kernel[(triton.cdiv(dt.numel(), BR),)](x, D, o, dt.numel(), H=x.shape[2], P=x.shape[-1], BR=BR,
-                                                          BP=BP)
-    return o, final, h
+    v = _values(x, dt)
+    h, _, final = state_fwd(B, v, plan, g=gc, initial_state=initial_state,
+                            output_final_state=output_final_state)
+    o = grouped.output_fwd(C, v, h, grouped.cb_fwd(C, B, plan), gc, plan, x=x, D=D)
+    return o, final, (h if keep_states(plan) else None)
 
 
 def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
-    """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; ``v`` and the cumulative gate are
-    recomputed (one row kernel and one chunk cumsum) instead of kept."""
+    """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; the cumulative gate and ``C B^T`` are
+    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when
+    those were not kept. dB and dC come from ``grouped.output_bwd_dcb`` per group, in B's dtype."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
     do = do.contiguous()
-    dq, dk, dv, dgc, dh0 = _backward(C, B, _values(x, dt), gc, initial_state, h, do, dht, plan, 1.0)
+    if h is None:
+        h = state_fwd(B, _values(x, dt), plan, g=gc, initial_state=initial_state)[0]
+    dv = grouped.output_bwd_dv(grouped.cb_fwd(C, B, plan), gc, do, plan)
+    dht = None if dht is None else dht.contiguous()
+    dh, dh0, dv = state_bwd(C, B, do, dv, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
+    dC, dB, dgc = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    del h, dh
     dg = chunk_local_cumsum(dgc, plan, reverse=True)  # d/d(A dt)
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
@@ -192,17 +196,15 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
     scale_rows_bwd_kernel[(dA.shape[0],)](x, dt, dv, dg, A, do, D if D is not None else A, dx, ddt, dA,
                                           dD if dD is not None else dA, R, H=H, P=P, BR=BR, BP=BP,
                                           BH=triton.next_power_of_2(H), HAS_D=D is not None)
-    G = B.shape[2]
-    return (dx, ddt, dA.sum(0), _group_sum(dk, G), _group_sum(dq, G), dD.sum(0) if dD is not None else None,
-            dh0)
+    return dx, ddt, dA.sum(0), dB, dC, dD.sum(0) if dD is not None else None, dh0
 
 
 class ChunkSSDFunction(torch.autograd.Function):
-    """Mamba2's SSD as one autograd node over simple GLA's stages (module docstring). The map costs no
-    torch passes in the forward: the stages read B and C by group (``tile.qk_rows``), ``A dt`` is
-    summed by the chunk cumsum and ``x dt`` is one row kernel; the backward adds the row kernel
-    (``dx`` and both parts of ``ddt``, ``dD``), the group sums of dB and dC and ``dA``. Kept for the
-    backward: x, dt, B, C (and the states of long sequences)."""
+    """Mamba2's SSD as one autograd node over the state stages and ``ssd.grouped`` (module docstring).
+    The map costs no torch passes in the forward: the stages read B and C by group, ``A dt`` is
+    summed by the chunk cumsum, ``x dt`` is one row kernel and ``D x`` is added by the output stage;
+    the backward adds the row kernel (``dx`` and both parts of ``ddt``, ``dD``) and ``dA``; dB and dC
+    come out per group. Kept for the backward: x, dt, B, C (and the states of long sequences)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens):
