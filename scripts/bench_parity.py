@@ -226,6 +226,8 @@ IMPLS = {
     "reference": "the reference model from its own initialisation",
     "ttr_refinit": "ttr's model from the reference's initial weights (converted): the same start, so what "
                    "differs from the reference's run is the implementation alone, not the draw of the weights",
+    "reference_ttrinit": "the reference model from ttr's initial weights: with ttr_refinit, tells a draw that "
+                         "trains worse from an implementation that does",
     "swap": "ttr's model with the reference's chunkwise kernel in place of ttr's",
     "swap_l2": "as swap, the delta rules with the q/k L2 norm inside fla's kernel, as fla's layer calls it",
 }
@@ -248,6 +250,25 @@ def ttr_from_reference(config, seed: int, device: str = "cuda"):
     return mine, ref
 
 
+@torch.no_grad()
+def reference_from_ttr(config, seed: int, device: str = "cuda"):
+    """The reference model holding ttr's initial weights drawn with ``seed``: ``ttr convert``'s map
+    read backwards (a renaming, plus the depthwise convs' ``[C, 1, W]`` view)."""
+    from transformers import AutoModelForCausalLM
+
+    from ttr.models.convert import convert_state_dict
+    from ttr.scripts.reference_models import build_reference
+
+    torch.manual_seed(seed)
+    mine = AutoModelForCausalLM.from_config(config).state_dict()
+    ref = build_reference(config)
+    for key, value in ref.state_dict().items():
+        if not key.endswith("rotary.inv_freq"):
+            (name,) = convert_state_dict(ref.config.model_type, {key: value})
+            value.copy_(mine[name].view_as(value))
+    return ref.to(device)
+
+
 def build(impl: str, config, seed: int, device: str = "cuda"):
     from transformers import AutoModelForCausalLM
 
@@ -255,6 +276,8 @@ def build(impl: str, config, seed: int, device: str = "cuda"):
 
     if impl == "ttr_refinit":
         return ttr_from_reference(config, seed, device)[0]
+    if impl == "reference_ttrinit":
+        return reference_from_ttr(config, seed, device)
     torch.manual_seed(seed)
     if impl in ("ttr", "swap", "swap_l2"):
         if impl != "ttr":
@@ -499,42 +522,84 @@ def report(paths: list[str], plot: str | None) -> str:
             run.update(run["partial"], final_val=None)
         entry = results.setdefault(run["family"], {"family": run["family"], "size": run["size"],
                                                     "reference": run["reference"], "runs": {}})
-        label = run.get("label", run["impl"])
+        # the file's name: a repeat of a run is saved as <family>.<label>.repeatN.json
+        prefix = f"{run['family']}."
+        label = f.stem[len(prefix):] if f.stem.startswith(prefix) else run.get("label", run["impl"])
         previous = entry["runs"].get(label)
         if previous is None or len(run["val"]) > len(previous["val"]):
             entry["runs"][label] = run
         if "grad_check" in run:
             entry["grad_check"] = run["grad_check"]
     results = sorted(results.values(), key=lambda r: FAMILIES.index(r["family"]) if r["family"] in FAMILIES else 99)
-    lines = ["| family | reference | ttr, own initialisation | reference | ratio | ttr from the reference's initial "
-             "weights | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = ["| family | reference | ttr, own initialisation | reference | ratio | same initial weights: ttr / "
+             "reference, per draw | mean ratio |", "|---|---|---|---|---|---|---|"]
 
-    def curves(runs: dict, impl: str) -> list[dict]:
-        # every run of ``impl``: draws of the weights (--init-seed) and repeats alike
-        return [dict(map(tuple, run["val"])) for run in runs.values() if run["impl"] == impl]
+    def curves(runs: dict, impl: str) -> list[list[dict]]:
+        """The runs of ``impl`` grouped by their draw of the weights (``init_seed``): repeats of one
+        draw are one sample of the draw's quality, not several."""
+        return list(by_draw(runs, impl).values())
 
-    def compare(mine: list[dict], ref: list[dict]) -> tuple[str, str, str]:
-        """(ttr's value, the reference's, the ratio of the means) at the last step every run reached."""
-        common = set.intersection(*(set(v) for v in mine + ref)) if mine and ref else set()
+    def by_draw(runs: dict, impl: str) -> dict:
+        draws: dict = {}
+        for run in runs.values():
+            if run["impl"] == impl:  # files older than the field drew with the default seed, 0
+                draws.setdefault(run.get("init_seed", 0), []).append(dict(map(tuple, run["val"])))
+        return draws
+
+    def paired(runs: dict) -> tuple[str, str]:
+        """Both sides from the same initial weights: ttr from the reference's draws (``ttr_refinit``
+        against ``reference``) and the reference from ttr's (``reference_ttrinit`` against ``ttr``).
+        The mean of the per-draw ratios ttr / reference, with its standard error, at the last step
+        every run of those draws reached."""
+        pairs = []
+        for mine_impl, ref_impl in (("ttr_refinit", "reference"), ("ttr", "reference_ttrinit")):
+            mine, ref = by_draw(runs, mine_impl), by_draw(runs, ref_impl)
+            pairs += [(mine[k], ref[k]) for k in sorted(set(mine) & set(ref), key=str)]
+        every = [v for a, b in pairs for v in a + b]
+        common = set.intersection(*(set(v) for v in every)) if every else set()
+        if not common:
+            return "", ""
+        step = max(common)
+        ratios = [x / y for (x, _), (y, _) in zip(at([a for a, _ in pairs], step), at([b for _, b in pairs], step))]
+        value = float(np.mean(ratios))
+        se = f" ± {float(np.std(ratios, ddof=1) / np.sqrt(len(ratios))):.4f}" if len(ratios) > 1 else ""
+        verdict = "meets" if value <= TARGET else "**misses**"
+        return (", ".join(f"{r:.4f}" for r in ratios),
+                f"{value:.4f}{se} at step {step} ({verdict} <= {TARGET}; {len(ratios)} pair{'s' * (len(ratios) > 1)})")
+
+    def at(draws: list[list[dict]], step: int) -> list[tuple[float, int]]:
+        """(mean over the draw's runs, number of runs) per draw, at ``step``."""
+        return [(float(np.mean([v[step] for v in runs])), len(runs)) for runs in draws]
+
+    def compare(mine: list[list[dict]], ref: list[list[dict]]) -> tuple[str, str, str]:
+        """(ttr's value, the reference's, the ratio of the means over draws with its standard error)
+        at the last step every run reached."""
+        every = [v for runs in mine + ref for v in runs]
+        common = set.intersection(*(set(v) for v in every)) if mine and ref else set()
         if not common:
             return "", "", "not measured"
         step = max(common)
-        a, b = [v[step] for v in mine], [v[step] for v in ref]
-        value = float(np.mean(a) / np.mean(b))
+        a, b = at(mine, step), at(ref, step)
+        ma, mb = np.mean([v for v, _ in a]), np.mean([v for v, _ in b])
+        value = float(ma / mb)
+        rel_se = [float(np.std([v for v, _ in x], ddof=1) / np.sqrt(len(x)) / m) for x, m in ((a, ma), (b, mb))
+                  if len(x) > 1]
+        se = f" ± {value * float(np.sqrt(np.sum(np.square(rel_se)))):.4f}" if rel_se else ""
         verdict = "meets" if value <= TARGET else "**misses**"
-        return shown(a), shown(b), f"{value:.4f} at step {step} ({verdict} <= {TARGET})"
+        return shown(a), shown(b), f"{value:.4f}{se} at step {step} ({verdict} <= {TARGET})"
 
-    def shown(values: list[float]) -> str:
-        mean = float(np.mean(values))
-        if len(values) == 1:
+    def shown(draws: list[tuple[float, int]]) -> str:
+        mean = float(np.mean([v for v, _ in draws]))
+        if len(draws) == 1 and draws[0][1] == 1:
             return f"{mean:.4f}"
-        return f"{mean:.4f} (mean of {len(values)}: {', '.join(f'{v:.4f}' for v in values)})"
+        each = ", ".join(f"{v:.4f}" + (f" ({n} runs)" if n > 1 else "") for v, n in draws)
+        return f"{mean:.4f} (mean of {len(draws)} draw{'s' if len(draws) > 1 else ''}: {each})"
 
     for r in results:
         runs = r["runs"]
         ref = curves(runs, "reference")
         mine, ref_shown, ratio = compare(curves(runs, "ttr"), ref)
-        same, _, same_ratio = compare(curves(runs, "ttr_refinit"), ref)
+        same, same_ratio = paired(runs)
         if not ref:
             ref_shown = "not measured"
         lines.append(f"| {r['family']} | {r['reference']} | {mine} | {ref_shown} | {ratio} | {same} | "
@@ -546,9 +611,10 @@ def report(paths: list[str], plot: str | None) -> str:
         for r, label in others:
             run = dict(map(tuple, r["runs"][label]["val"]))
             refs = curves(r["runs"], "reference")
-            common = set(run).intersection(*(set(v) for v in refs)) if refs else set()
+            common = set(run).intersection(*(set(v) for runs in refs for v in runs)) if refs else set()
             step = max(common) if common else max(run)
-            ratio = f"{run[step] / np.mean([v[step] for v in refs]):.4f}" if common else "no reference run"
+            ratio = (f"{run[step] / np.mean([v for v, _ in at(refs, step)]):.4f}" if common
+                     else "no reference run")
             lines.append(f"| {r['family']} | {label} | {run[step]:.4f} | {step} | {ratio} |")
     checks = [(r["family"], r["grad_check"]) for r in results if "grad_check" in r]
     if checks:
@@ -565,17 +631,25 @@ def report(paths: list[str], plot: str | None) -> str:
 
         n = len(results)
         fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.4), squeeze=False)
+        # colour: whose code trained the run; line: whose draw of the weights it started from
+        # (solid its own, dotted the other side's; dash-dot ttr with the reference's kernel)
+        kinds = {"ttr": ("C0", "-", "ttr"), "reference": ("C1", "-", "{ref}"),
+                 "ttr_refinit": ("C0", ":", "ttr from {ref}'s weights"),
+                 "reference_ttrinit": ("C1", ":", "{ref} from ttr's weights"),
+                 "swap": ("C2", "-.", "ttr, reference kernel"), "swap_l2": ("C3", "-.", "ttr, reference kernel, l2 in it")}
         for ax, r in zip(axes[0], results):
-            for label, run in sorted(r["runs"].items(), key=lambda kv: (kv[0] != "ttr", kv[0] != "reference", kv[0])):
+            ref_name = r["reference"].split()[0]  # "fla" or "HF"; the title names the model
+            shown_kinds = set()
+            for _, run in sorted(r["runs"].items()):
                 steps, values = zip(*run["val"])
-                side = r["reference"].split(" (")[0] if run["impl"] == "reference" else "ttr"
-                name = side if label in ("ttr", "reference") else f"{side} ({label})"
-                style = {"ttr": "-", "reference": "--"}.get(label, ":")
-                ax.plot(steps, values, style, label=name, linewidth=1.5 if style != ":" else 1.0)
+                colour, style, name = kinds.get(run["impl"], ("C7", "--", run["impl"]))
+                ax.plot(steps, values, style, color=colour, linewidth=1.2, alpha=0.8,
+                        label=None if run["impl"] in shown_kinds else name.format(ref=ref_name))
+                shown_kinds.add(run["impl"])
             ax.set_title(f"{r['family']}-{r['size']}")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6)
             ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(plot, dpi=110)

@@ -108,24 +108,32 @@ def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
 
 
 def test_report_lists_the_other_runs_against_the_reference(tmp_path):
-    def run(impl, vals, label=None):
+    def run(impl, vals, label=None, seed=None):
         out = {"family": "delta_net", "impl": impl, "size": "340m", "reference": "fla 0.6.0 DeltaNetForCausalLM",
                "partial": {"losses": [1.0], "val": vals}}
-        return dict(out, label=label) if label else out
+        return dict(out, **({"label": label} if label else {}), **({"init_seed": seed} if seed is not None else {}))
 
     (tmp_path / "a.json").write_text(json.dumps(run("ttr", [[100, 4.2], [200, 3.6]])))
     (tmp_path / "b.json").write_text(json.dumps(run("reference", [[100, 4.0], [200, 3.5]])))
     (tmp_path / "c.json").write_text(json.dumps(run("ttr_refinit", [[100, 4.04]])))
     table = bench_parity.report([str(tmp_path)], None)
     assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.6000 | 3.5000 | 1.0286 at step 200 (**misses** <= 1.01) | "
-            "4.0400 | 1.0100 at step 100 (meets <= 1.01) |") in table
+            "1.0100 | 1.0100 at step 100 (meets <= 1.01; 1 pair) |") in table
     assert "| delta_net | ttr_refinit | 4.0400 | 100 | 1.0100 |" in table
-    # a second draw of ttr's weights: the ratio compares the means of the draws
-    (tmp_path / "d.json").write_text(json.dumps(run("ttr", [[100, 4.1], [200, 3.466]], label="ttr.init1")))
+    # a second draw of ttr's weights: the ratio compares the means of the draws, with a standard error
+    (tmp_path / "d.json").write_text(json.dumps(run("ttr", [[100, 4.1], [200, 3.466]], label="ttr.init1", seed=1)))
     table = bench_parity.report([str(tmp_path)], None)
-    assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.5330 (mean of 2: 3.6000, 3.4660) | 3.5000 | "
-            "1.0094 at step 200 (meets <= 1.01) |") in table
+    assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.5330 (mean of 2 draws: 3.6000, 3.4660) | 3.5000 | "
+            "1.0094 ± 0.0191 at step 200 (meets <= 1.01) |") in table
     assert "| delta_net | ttr.init1 | 3.4660 | 200 | 0.9903 |" in table
+    # a repeat of the reference's draw (named by its file) is one sample of that draw, not a second
+    # draw; the reference from ttr's second draw pairs with ttr's run of it
+    (tmp_path / "delta_net.reference.repeat1.json").write_text(json.dumps(run("reference", [[100, 4.0], [200, 3.3]])))
+    (tmp_path / "e.json").write_text(json.dumps(run("reference_ttrinit", [[100, 4.0], [200, 3.4]], "x", seed=1)))
+    table = bench_parity.report([str(tmp_path)], None)
+    assert "| 3.4000 (mean of 1 draw: 3.4000 (2 runs)) | 1.0391 ± 0.0197 at step 200" in table
+    assert "| 1.0100, 1.0250 | 1.0175 ± 0.0075 at step 100 (**misses** <= 1.01; 2 pairs) |" in table
+    assert "| delta_net | reference.repeat1 | 3.3000 | 200 | 0.9706 |" in table
 
 
 def test_init_seed_names_the_run_and_leaves_the_data(tmp_path, monkeypatch):
@@ -171,3 +179,24 @@ def test_ttr_from_reference_starts_from_the_references_weights():
         assert (mine(ids).logits - logits).abs().max() < 1e-4
         assert torch.equal(mine(ids).logits, again(ids).logits)
         assert (other(ids).logits - logits).abs().max() > 1e-3
+
+
+def test_reference_from_ttr_holds_ttrs_draw():
+    """``--impls reference_ttrinit``: the reference holding ttr's initial weights gives ttr's logits
+    (HF Llama and HF Mamba2 at debug shapes, fp32 on the CPU), and every weight maps back unchanged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ttr.models.convert import convert_state_dict
+    from ttr.models.presets import get_preset
+
+    for name in ("transformer-debug", "mamba2-debug"):
+        config = get_preset(name, vocab_size=128)
+        ref = bench_parity.reference_from_ttr(config, seed=7, device="cpu")
+        torch.manual_seed(7)
+        mine = AutoModelForCausalLM.from_config(config)
+        back = convert_state_dict(ref.config.model_type, ref.state_dict())
+        assert all(torch.equal(back[k].reshape(v.shape), v) for k, v in mine.state_dict().items())
+        ids = torch.randint(0, 128, (2, 24))
+        with torch.no_grad():
+            assert (mine(ids).logits - ref(ids).logits).abs().max() < 1e-4, name
