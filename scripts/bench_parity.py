@@ -24,15 +24,18 @@ the conversion and the reference kernels on the GPU at hand (fla 0.6.0 refuses i
 Triton < 3.7.1, its issue #640; the guard is lifted here and this check says whether its
 gradients are right at these shapes).
 
-``--impls ttr_refinit`` trains ttr's model from the reference's initial weights (converted), so
-the two runs differ in the implementation only; ``--init-seed N`` draws a model's weights again
-(the data order stays ``--seed``'s). One run is not a measurement at this scale: repeats of one
-reference from the same weights differ by several percent at step 800 (its kernels are not
-deterministic), so the table compares the means of every run of each side.
+``--impls ttr_refinit`` trains ttr's model from the reference's initial weights (converted), and
+``--impls reference_ttrinit`` the reference from ttr's, so a pair of runs differs in the
+implementation only; ``--init-seed N`` draws a model's weights again (the data order stays
+``--seed``'s). One run is not a measurement at this scale: repeats of one reference from the same
+weights differ by several percent at step 800 (its kernels are not deterministic), and draws of
+the weights as much, so the table compares means over draws (a draw's repeats averaged first)
+with their standard error, and same-start runs as per-draw ratios.
 
 Each run writes ``<out>/<family>.<impl>[.initN].json`` (loss per step, validation loss every ``--val-every``
-steps, gradient norm at step 0, tokens/s, peak memory); ``--report`` merges such files into the
-markdown table of ``docs/benchmarks.md`` and a plot of the curves.
+steps, gradient norm at step 0, tokens/s, peak memory); a repeat of a run is kept as
+``<family>.<label>.repeatN.json``. ``--report`` merges such files into the markdown table of
+``docs/benchmarks.md`` and a plot of the curves.
 """
 
 from __future__ import annotations
