@@ -189,7 +189,8 @@ def ssd_inputs(B, T, s, dtype, device):
         "C": torch.randn(B, T, s.groups, s.K, device=device, dtype=dtype),
     }
     mapped = ssd_as_simple_gla(x["x"], x["dt"], x["A"], x["B"], x["C"])
-    return {**x, **{n: t.contiguous() for n, t in zip(("q", "k", "v", "g"), mapped)}}
+    # copies: with one head per group q and k would be C and B themselves, one leaf in two roles
+    return {**x, **{n: t.clone(memory_format=torch.contiguous_format) for n, t in zip(("q", "k", "v", "g"), mapped)}}
 
 
 def attention_inputs(B, T, s, dtype, device):
@@ -598,12 +599,11 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     from ttr.kernels.ssd import grouped
 
     x = ssd_inputs(B, T, SSD_STAGE_SHAPE, torch.bfloat16, device)
-    xs, dt, A, Bm, C = x["x"], x["dt"], x["A"], x["B"], x["C"]
+    xs, dt, A, Bm, C, v = x["x"], x["dt"], x["A"], x["B"], x["C"], x["v"]  # v = x dt, as the op forms it
     D = torch.ones(SSD_STAGE_SHAPE.H, device=device)
     plan = prepare_chunks(None, B, T, device=device)
     do = torch.randn_like(xs)
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    v = xs * dt[..., None].to(xs.dtype)
     h, _, _ = state_fwd(Bm, v, plan, g=gc)
     cb = grouped.cb_fwd(C, Bm, plan)
     dvi = grouped.output_bwd_dv(cb, gc, do, plan)

@@ -537,17 +537,31 @@ def report(paths: list[str], plot: str | None) -> str:
     lines = ["| family | reference | ttr, own initialisation | reference | ratio | same initial weights: ttr / "
              "reference, per draw | mean ratio |", "|---|---|---|---|---|---|---|"]
 
-    def curves(runs: dict, impl: str) -> list[list[dict]]:
+    def by_draw(runs: dict, impl: str) -> dict:
         """The runs of ``impl`` grouped by their draw of the weights (``init_seed``): repeats of one
         draw are one sample of the draw's quality, not several."""
-        return list(by_draw(runs, impl).values())
-
-    def by_draw(runs: dict, impl: str) -> dict:
         draws: dict = {}
         for run in runs.values():
             if run["impl"] == impl:  # files older than the field drew with the default seed, 0
                 draws.setdefault(run.get("init_seed", 0), []).append(dict(map(tuple, run["val"])))
         return draws
+
+    def curves(runs: dict, impl: str) -> list[list[dict]]:
+        return list(by_draw(runs, impl).values())
+
+    def last_step(every: list[dict]) -> int | None:
+        """The last validation step that every one of the curves reached."""
+        common = set.intersection(*(set(v) for v in every)) if every else set()
+        return max(common) if common else None
+
+    def at(draws: list[list[dict]], step: int) -> list[tuple[float, int]]:
+        """(mean over the draw's runs, number of runs) per draw, at ``step``."""
+        return [(float(np.mean([v[step] for v in runs])), len(runs)) for runs in draws]
+
+    def verdict(value: float, se: float | None, step: int, extra: str = "") -> str:
+        shown_se = "" if se is None else f" ± {se:.4f}"
+        word = "meets" if value <= TARGET else "**misses**"
+        return f"{value:.4f}{shown_se} at step {step} ({word} <= {TARGET}{extra})"
 
     def paired(runs: dict) -> tuple[str, str]:
         """Both sides from the same initial weights: ttr from the reference's draws (``ttr_refinit``
@@ -558,38 +572,27 @@ def report(paths: list[str], plot: str | None) -> str:
         for mine_impl, ref_impl in (("ttr_refinit", "reference"), ("ttr", "reference_ttrinit")):
             mine, ref = by_draw(runs, mine_impl), by_draw(runs, ref_impl)
             pairs += [(mine[k], ref[k]) for k in sorted(set(mine) & set(ref), key=str)]
-        every = [v for a, b in pairs for v in a + b]
-        common = set.intersection(*(set(v) for v in every)) if every else set()
-        if not common:
+        step = last_step([v for a, b in pairs for v in a + b])
+        if step is None:
             return "", ""
-        step = max(common)
         ratios = [x / y for (x, _), (y, _) in zip(at([a for a, _ in pairs], step), at([b for _, b in pairs], step))]
-        value = float(np.mean(ratios))
-        se = f" ± {float(np.std(ratios, ddof=1) / np.sqrt(len(ratios))):.4f}" if len(ratios) > 1 else ""
-        verdict = "meets" if value <= TARGET else "**misses**"
-        return (", ".join(f"{r:.4f}" for r in ratios),
-                f"{value:.4f}{se} at step {step} ({verdict} <= {TARGET}; {len(ratios)} pair{'s' * (len(ratios) > 1)})")
-
-    def at(draws: list[list[dict]], step: int) -> list[tuple[float, int]]:
-        """(mean over the draw's runs, number of runs) per draw, at ``step``."""
-        return [(float(np.mean([v[step] for v in runs])), len(runs)) for runs in draws]
+        se = float(np.std(ratios, ddof=1) / np.sqrt(len(ratios))) if len(ratios) > 1 else None
+        extra = f"; {len(ratios)} pair{'s' * (len(ratios) > 1)}"
+        return ", ".join(f"{r:.4f}" for r in ratios), verdict(float(np.mean(ratios)), se, step, extra)
 
     def compare(mine: list[list[dict]], ref: list[list[dict]]) -> tuple[str, str, str]:
         """(ttr's value, the reference's, the ratio of the means over draws with its standard error)
         at the last step every run reached."""
-        every = [v for runs in mine + ref for v in runs]
-        common = set.intersection(*(set(v) for v in every)) if mine and ref else set()
-        if not common:
+        step = last_step([v for runs in mine + ref for v in runs]) if mine and ref else None
+        if step is None:
             return "", "", "not measured"
-        step = max(common)
         a, b = at(mine, step), at(ref, step)
         ma, mb = np.mean([v for v, _ in a]), np.mean([v for v, _ in b])
         value = float(ma / mb)
         rel_se = [float(np.std([v for v, _ in x], ddof=1) / np.sqrt(len(x)) / m) for x, m in ((a, ma), (b, mb))
                   if len(x) > 1]
-        se = f" ± {value * float(np.sqrt(np.sum(np.square(rel_se)))):.4f}" if rel_se else ""
-        verdict = "meets" if value <= TARGET else "**misses**"
-        return shown(a), shown(b), f"{value:.4f}{se} at step {step} ({verdict} <= {TARGET})"
+        se = value * float(np.sqrt(np.sum(np.square(rel_se)))) if rel_se else None
+        return shown(a), shown(b), verdict(value, se, step)
 
     def shown(draws: list[tuple[float, int]]) -> str:
         mean = float(np.mean([v for v, _ in draws]))
@@ -614,9 +617,9 @@ def report(paths: list[str], plot: str | None) -> str:
         for r, label in others:
             run = dict(map(tuple, r["runs"][label]["val"]))
             refs = curves(r["runs"], "reference")
-            common = set(run).intersection(*(set(v) for runs in refs for v in runs)) if refs else set()
-            step = max(common) if common else max(run)
-            ratio = (f"{run[step] / np.mean([v for v, _ in at(refs, step)]):.4f}" if common
+            shared = last_step([run] + [v for runs in refs for v in runs]) if refs else None
+            step = max(run) if shared is None else shared
+            ratio = (f"{run[step] / np.mean([v for v, _ in at(refs, step)]):.4f}" if shared is not None
                      else "no reference run")
             lines.append(f"| {r['family']} | {label} | {run[step]:.4f} | {step} | {ratio} |")
     checks = [(r["family"], r["grad_check"]) for r in results if "grad_check" in r]

@@ -204,6 +204,12 @@ def keep_states(plan: ChunkPlan) -> bool:
 TUNING: dict[str, dict] = {}
 
 
+def block_size(n: int, cap: int) -> int:
+    """A tile's size along a dimension of ``n``: the next power of two, at least 16 (``tl.dot``'s
+    smallest) and at most ``cap``."""
+    return min(cap, max(16, 1 << max(0, n - 1).bit_length()))
+
+
 def tuned(stage: str, **defaults) -> dict:
     """The stage's launch parameters: the heuristic defaults, overridden by ``TUNING[stage]``."""
     return {**defaults, **TUNING.get(stage, {})}

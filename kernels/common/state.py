@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -381,16 +381,12 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
     return cfg
 
 
-def _block(n: int, cap: int) -> int:
-    return min(cap, max(16, triton.next_power_of_2(n)))
-
-
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
                  stage: str) -> torch.Tensor:
     """``ΔS`` (decay: x = k, y = v) or ``ΔD`` (x = q, y = do), fp32 ``[NT, H, K, V]``."""
     B, T, HK, K = x.shape
     H, V = y.shape[2:]
-    cfg = tuned(stage, BK=_block(K, 64), BV=_block(V, 64), num_warps=4)
+    cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(K, cfg["BK"]) * triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_chunk_kernel[grid](x, y, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V,
@@ -421,7 +417,7 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
     B, T, HK, K = k.shape
     H, V = dv.shape[2:]
     # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
-    cfg = tuned("state_bwd_dv", BK=_block(K, 64), BV=_block(V, 64), num_warps=4, num_stages=2)
+    cfg = tuned("state_bwd_dv", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4, num_stages=2)
     dv2 = torch.empty_like(dv)
     state_dv_kernel[(triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)](
         k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.output import scores_times_rows
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
@@ -180,17 +180,13 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, dg, cu_seqlens, chu
     tl.store(p_dbT, b_dbT.to(p_dbT.dtype.element_ty), mask=m_dbT)
 
 
-def _block(n: int, cap: int) -> int:
-    return min(cap, max(16, triton.next_power_of_2(n)))
-
-
 def cb_fwd(C: torch.Tensor, B: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """``C B^T`` per chunk and group, fp32 ``[NT, G, BT, BT]`` (rows of padded tokens are zeros)."""
     _, _, G, N = C.shape
     BT = plan.chunk_size
     cb = torch.empty(plan.num_chunks, G, BT, BT, device=C.device, dtype=torch.float32)
     cb_fwd_kernel[(plan.num_chunks, G)](C, B, cb, plan.cu_seqlens, plan.chunk_indices, G=G, N=N, BT=BT,
-                                        **tuned("ssd_cb", BK=_block(N, 64), num_warps=4))
+                                        **tuned("ssd_cb", BK=block_size(N, 64), num_warps=4))
     return cb
 
 
@@ -203,8 +199,8 @@ def output_fwd(C: torch.Tensor, v: torch.Tensor, h: torch.Tensor, cb: torch.Tens
     o = torch.empty_like(v)
     # one program covers a whole head of up to 128 values, so the CB tile and the gate are read once;
     # BK 32 measured 13 % faster than 64 at Mamba2-1.3B's shape on an H200 (P = 64, N = 128)
-    BV = _block(P, 128)
-    cfg = tuned("ssd_output_fwd", BK=_block(N, 32), BV=BV, num_warps=4 if BV <= 64 else 8, num_stages=3)
+    BV = block_size(P, 128)
+    cfg = tuned("ssd_output_fwd", BK=block_size(N, 32), BV=BV, num_warps=4 if BV <= 64 else 8, num_stages=3)
     output_fwd_kernel[(triton.cdiv(P, cfg["BV"]), plan.num_chunks, H)](
         C, v, h, cb, g, x, D, o, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
         HAS_D=D is not None, **cfg)
@@ -218,7 +214,7 @@ def output_bwd_dv(cb: torch.Tensor, g: torch.Tensor, do: torch.Tensor, plan: Chu
     dv = torch.empty_like(do)
     output_bwd_dv_kernel[(plan.num_chunks, H)](cb, g, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
                                                BT=plan.chunk_size,
-                                               **tuned("ssd_output_bwd_dv", BV=_block(P, 64), num_warps=8))
+                                               **tuned("ssd_output_bwd_dv", BV=block_size(P, 64), num_warps=8))
     return dv
 
 
@@ -233,7 +229,7 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # BK 64: three fp32 accumulators of [BT, 64] and [BT, BT] and the per-head products fit the
     # registers of 8 warps; N = 128 runs as two programs per chunk, which recompute dy v^T per head.
     # One stage: the loads of the head loop are not pipelined (10 % faster than two on an H200)
-    cfg = tuned("ssd_output_bwd_dcb", BK=_block(N, 64), BV=_block(P, 64), num_warps=8, num_stages=1)
+    cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=8, num_stages=1)
     NK = triton.cdiv(N, cfg["BK"])
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     dg = torch.empty(NK, batch, T, H, device=C.device, dtype=torch.float32)
