@@ -12,6 +12,7 @@ Rows per case (median ms of the forward and of forward+backward, peak MiB above 
   varlen            ``torch.nn.attention.varlen.varlen_attn`` (where the installed torch has it)
   sdpa <backend>    SDPA restricted to one backend: ``is_causal`` for full plain batches, else the
                     cheapest mask it accepts (a dense boolean [T, T] band / block-diagonal mask)
+  sdpa <backend> (views)  full plain batches: the same on [B, H, T, D] views of [B, T, H, D] tensors
   flex_attention    compiled, with a block mask built outside the timing (``--flex``; compiles
                     once per shape and grad mode, so it is opt-in)
 A row that cannot run says ``n/a: <reason>`` and the run goes on. The end prints, per case, the
@@ -178,6 +179,11 @@ def sdpa_row(backend, full_plain, t, window, bounds, scale, gqa):
     return forward
 
 
+def transposed(forward):
+    """``forward`` of ``[B, H, T, D]`` tensors called on ``[B, T, H, D]`` ones through views."""
+    return lambda q, k, v: forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
 def flex_row(t, window, bounds, scale, gqa):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -233,6 +239,12 @@ def rows_of_case(args, window, bounds, t, hq, hkv, d):
     for backend in SDPA_NAMES:
         rows.append((f"sdpa {backend}" + ("" if full_plain else " + mask"), "bhtd",
                      lambda backend=backend: sdpa_row(backend, full_plain, t, window, bounds, scale, gqa)))
+    if full_plain:
+        # SDPA on [B, H, T, D] views of ttr's [B, T, H, D] tensors: what a model whose projections
+        # give [B, T, H, D] passes it (ttr's dispatch, HF Llama); the rows above time contiguous inputs
+        for backend in SDPA_NAMES:
+            rows.append((f"sdpa {backend} (views)", "bthd",
+                         lambda backend=backend: transposed(sdpa_row(backend, True, t, window, bounds, scale, gqa))))
     if args.flex:
         rows.append(("flex_attention", "bhtd", lambda: flex_row(t, window, bounds, scale, gqa)))
     return rows

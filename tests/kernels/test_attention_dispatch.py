@@ -241,9 +241,11 @@ def test_bench_attention_runs_on_cpu(monkeypatch, capsys, tmp_path):
     assert bench_attention.main(argv) == 0
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 2 * 6  # layouts x masks x rows
+    assert len(rows) == 2 * 2 * 6 + 3  # layouts x masks x rows, and SDPA on views for full plain batches
     timed = {r["row"] for r in rows if "fwd_bwd_ms" in r}
-    assert {"ttr", "auto -> triton", "sdpa flash"} <= timed
+    assert {"ttr", "auto -> triton", "sdpa flash", "sdpa flash (views)"} <= timed
+    views = next(r for r in rows if r["row"] == "sdpa flash (views)")
+    assert (views["mask"], views["layout"]) == ("full", "plain") and views["out_contiguous"]
     assert all(r["row"] in timed or r["na"] for r in rows)
     assert "n/a: " in text and "ROUTES the measurements call for" in text
     bounds = bench_attention.packed_bounds(1000, 64, 24)
