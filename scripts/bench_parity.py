@@ -642,7 +642,8 @@ def report(paths: list[str], plot: str | None) -> str:
         kinds = {"ttr": ("C0", "-", "ttr"), "reference": ("C1", "-", "{ref}"),
                  "ttr_refinit": ("C0", ":", "ttr from {ref}'s weights"),
                  "reference_ttrinit": ("C1", ":", "{ref} from ttr's weights"),
-                 "swap": ("C2", "-.", "ttr, reference kernel"), "swap_l2": ("C3", "-.", "ttr, reference kernel, l2 in it")}
+                 "swap": ("C2", "-.", "ttr, reference kernel"),
+                 "swap_l2": ("C3", "-.", "ttr, reference kernel, l2 in it")}
         for ax, r in zip(axes[0], results):
             ref_name = r["reference"].split()[0]  # "fla" or "HF"; the title names the model
             shown_kinds = set()

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_span
 
 SUB_CHUNK = 16
@@ -327,14 +327,6 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     tl.store(dg + p_tk, b_dg, mask=m_tk)
 
 
-def _block_k(K: int) -> int:
-    return min(max(triton.next_power_of_2(K), 16), 64)
-
-
-def _block_v(V: int) -> int:
-    return min(max(triton.next_power_of_2(V), 16), 64)
-
-
 def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
     """``A [B, T, H, BT]`` fp32: the scaled, causal, gate-decayed intra-chunk scores.
 
@@ -347,7 +339,7 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     # Few warps and narrow K blocks: the products are small ([16, 32] tiles), so more warps only
     # add synchronisation; one stage, since each program loads every K block once.
-    cfg = tuned("vector_gate_scores", BK=min(_block_k(K), 32), num_warps=2, num_stages=1)
+    cfg = tuned("vector_gate_scores", BK=block_size(K, 32), num_warps=2, num_stages=1)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
         q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
         SAFE_SPAN=SAFE_SPAN, **cfg)
@@ -360,7 +352,7 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     V = v.shape[-1]
     o = torch.empty_like(v)
     # BV 128: one program covers a whole value head, so A and q are read once per chunk
-    cfg = tuned("vector_gate_output", BK=_block_k(K), BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)
+    cfg = tuned("vector_gate_output", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=4)
     vector_gate_output_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
         **cfg)
@@ -371,7 +363,7 @@ def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
     """The intra-chunk gradient of v: ``A^T do`` (fp32)."""
     B, T, H, V = do.shape
     dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dv", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=4)
+    cfg = tuned("vector_gate_dv", BV=block_size(V, 128), num_warps=4)
     vector_gate_dv_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
         A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size, **cfg)
     return dv
@@ -381,7 +373,7 @@ def vector_gate_dA(v, do, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
     """``dA = scale * tril(do v^T)`` per chunk, ``[B, T, H, BT]`` fp32 (includes the score scale)."""
     B, T, H, V = v.shape
     dA = torch.empty(B, T, H, plan.chunk_size, device=v.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dA", BV=_block_v(V), num_warps=NUM_WARPS)
+    cfg = tuned("vector_gate_dA", BV=block_size(V, 64), num_warps=NUM_WARPS)
     vector_gate_dA_kernel[(plan.num_chunks, H)](v, do, dA, plan.cu_seqlens, plan.chunk_indices, scale, H=H, V=V,
                                                BT=plan.chunk_size, **cfg)
     return dA
@@ -399,7 +391,7 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     # Narrow K blocks with 4 warps and 2 stages: wider blocks or 8 warps keep more [16, BK] fp32
     # tiles live than the registers hold.
-    cfg = tuned("vector_gate_intra_bwd", BK=min(_block_k(K), 32), num_warps=4, num_stages=2)
+    cfg = tuned("vector_gate_intra_bwd", BK=block_size(K, 32), num_warps=4, num_stages=2)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
         SAFE_SPAN=SAFE_SPAN, **cfg)
@@ -417,7 +409,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_bwd_dqkg", BK=_block_k(K), BV=_block_v(V), num_warps=4)
+    cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, triton.cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
         H=H, K=K, V=V, BT=plan.chunk_size, **cfg)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -161,21 +161,17 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
-    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
-
-
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, plan: ChunkPlan, *,
                scale: float, g: torch.Tensor | None = None) -> torch.Tensor:
     """``o [B, T, H, V]``; q and k may have ``HK < H`` heads, each shared by ``H / HK`` heads of v."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
-    BK, BV = _blocks(K, V)
+    BK = block_size(K, 64)
     o = torch.empty_like(v)
     # BV 128: one program per chunk covers a whole value head, so q k^T is formed once per chunk
     # instead of once per V block; 8 warps and 3 stages keep the loads of the next K block in flight
     # (the delta rules run the same kernel on the same shapes, with v_new for v)
-    cfg = tuned("output_fwd", BV=min(128, max(16, triton.next_power_of_2(V))), num_warps=8, num_stages=3)
+    cfg = tuned("output_fwd", BV=block_size(V, 128), num_warps=8, num_stages=3)
     output_fwd_kernel[(triton.cdiv(V, cfg['BV']), plan.num_chunks, H)](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
         USE_G=g is not None, **cfg)
@@ -186,7 +182,7 @@ def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: Chun
                   g: torch.Tensor | None = None) -> torch.Tensor:
     B, T, HK, K = q.shape
     H, V = do.shape[2:]
-    BK, BV = _blocks(K, V)
+    BK, BV = block_size(K, 64), block_size(V, 64)
     dv = torch.empty_like(do)
     output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
                                                HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
@@ -203,7 +199,7 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     value head, ``[B, T, H, K]``: the caller sums each group."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
-    BK, BV = _blocks(K, V)
+    BK, BV = block_size(K, 64), block_size(V, 64)
     if dv is None and K <= 128:
         # no w term (simple GLA / SSD): one program per chunk over all of K, so dS and dS^T are formed
         # once, not once per K block; 8 warps hold the wider [BT, K] tiles

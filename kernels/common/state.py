@@ -336,7 +336,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     BK = 128 if split else max(16, triton.next_power_of_2(K))
     KP = 2 * BK if split else BK
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = block_size(V, 64)
     while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, tile
 
 
@@ -239,10 +239,6 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
         tl.store(dg + (g0 + o_i) * H + i_h, b_dg, mask=m_t)
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
-    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
-
-
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan, *,
            g: torch.Tensor | None = None, Ai: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,7 +247,7 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
     V = v.shape[-1]
     BT = plan.chunk_size
     assert BT == 64, "the triangular inverse is written for 64-token chunks"
-    BK, BV = _blocks(K, V)
+    BK, BV = block_size(K, 64), block_size(V, 64)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     reuse = Ai is not None
@@ -269,7 +265,7 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     """Returns ``(dk, dv, dbeta, dg)``; ``dg`` (raw-gate space, fp32) is None without ``g``."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV = block_size(K, 64), block_size(V, 64)
     dk_out = torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)

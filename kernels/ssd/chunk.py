@@ -6,8 +6,9 @@ by ``state.state_fwd(k, v, g=G)``; ``o = scale (q ⊙ exp(G)) h + scale (q k^T �
 ``output.output_fwd``, ``Γ_ij = exp(G_i - G_j)`` formed as a masked difference (exponent <= 0).
 
 Backward (states ``h`` recomputed, or kept by the forward for long sequences:
-``index.KEEP_STATES_MIN_CHUNKS``): ``dv = output_bwd_dv + (k ⊙ exp(G_last - G)) dh`` (``state.state_bwd``, which also gives
-``dh`` and ``dh0``); dq, dk and the cumulative-gate gradient ``dG`` from ``output.output_bwd_dqk``:
+``index.KEEP_STATES_MIN_CHUNKS``): ``dv = output_bwd_dv + (k ⊙ exp(G_last - G)) dh``
+(``state.state_bwd``, which also gives ``dh`` and ``dh0``); dq, dk and the cumulative-gate gradient
+``dG`` from ``output.output_bwd_dqk``:
 
     dG_i = q_i·dq_i - k_i·dk_i  (every path through exp(G_i - G_j), exp(G_i) and exp(G_last - G_i))
     dG_last += exp(G_last) <h, dh> + sum_j k_j·dk_j^state    (h' = exp(G_last) h + ...)
@@ -36,9 +37,9 @@ sums, and one autograd node per op.
 Memory: the backward keeps x, B, C and dt only; ``v`` (where the states are recomputed), the
 cumulative gate and CB are recomputed (a row kernel, a chunk cumsum and a ``64 x 64 x N`` product
 per chunk and group) rather than kept, since a layer's kept tensors, summed over every layer,
-bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes Mamba2's short conv in: it keeps the
-conv's input, which the layer keeps anyway (a slice of its input projection), and runs the conv
-again in the backward instead of keeping x, B and C.
+bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
+Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
+input projection), and runs the conv again in the backward instead of keeping x, B and C.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.index import block_size, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 
@@ -193,3 +193,12 @@ def test_backend_override_sets_and_restores(monkeypatch):
     with pytest.raises(ValueError, match="backend"):
         with backend_override("cuda"):
             pass
+
+
+def test_block_size_is_the_capped_power_of_two():
+    """Every stage sizes its tiles with ``block_size``: the next power of two, at least 16, at most the cap."""
+    import triton
+
+    for cap in (16, 32, 64, 128, 256):
+        for n in range(0, 600):
+            assert block_size(n, cap) == min(cap, max(16, triton.next_power_of_2(n))), (n, cap)
