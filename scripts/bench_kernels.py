@@ -627,20 +627,39 @@ STAGE_CALLS = {
     "simple_gla": simple_gla_stage_calls,
 }
 
+# The sequential state pass with 8 warps (or BV = 32): the launches the compiler's report
+# (scripts/kernel_resources.py) shows without the spills of the 4-warp defaults (BV = 64) at K = 128.
+# One stage with BV < 64 is left out: it gives wrong states on the H200 (state._checked).
+STATE_WALK_SWEEP = {
+    "state_fwd": [dict(two_level=False, num_warps=8, num_stages=ns) for ns in (2, 3)]
+    + [dict(two_level=False, BV=32, num_warps=4, num_stages=3)],
+    "state_bwd": [dict(two_level=False, num_warps=8, num_stages=ns, BV=bv) for ns, bv in ((1, 64), (2, 32), (3, 32))]
+    + [dict(two_level=False, BV=32, num_warps=4, num_stages=2)],
+}
+# the WY forward on 4 or 8 warps (2 cannot issue Hopper's warpgroup products) and the dq/dk stage on
+# 8: fewer or no spills in the compiler's report
+DELTA_SWEEP = {
+    "wy_fwd": [dict(num_warps=nw) for nw in (4, 8)],
+    "output_bwd_dqk": [dict(num_warps=8)],
+    **STATE_WALK_SWEEP,
+}
+
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
     "gated_delta": {
         "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((32, 32), (32, 64), (64, 64), (64, 128),
                    (128, 64), (128, 128)) for nw in (4, 8)],
+        **DELTA_SWEEP,
     },
+    "delta": DELTA_SWEEP,
     "gla": {
         "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
                                for ns in (1, 2, 3)],
         "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (4, 8)
                                   for ns in (1, 2)],
         # the sequential state pass (two_level=False) against the two-level one's tiles
-        "state_fwd": [dict(two_level=False)],
-        "state_bwd": [dict(two_level=False)],
+        "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"],
+        "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"],
         "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
         "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
@@ -655,8 +674,8 @@ SWEEPS = {
                               for ns in (1, 2, 3)],
         "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
                    for ns in (1, 2, 3)],
-        "state_fwd": [dict(two_level=False), dict(two_level=True)],
-        "state_bwd": [dict(two_level=False), dict(two_level=True)],
+        "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"],
+        "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"],
     },
     "simple_gla": {
         # BK 32 is left out: an illegal memory access on Hopper (Triton 3.6), not reproduced by the interpreter
@@ -682,6 +701,22 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: bool) -
             out += time_stages(STAGE_CALLS[name](B, T, device), f"{name} {B}x{T}",
                                SWEEPS.get(name) if sweep else None)
     return "\n".join(out)
+
+
+def parse_selection(parser, ops: str | None, presets: str | None, allowed: list[str]):
+    """``--ops`` and ``--presets`` as lists (None: all of them); an unknown name is a parser error
+    that names the flag."""
+    from ttr.models.presets import list_presets
+
+    chosen = []
+    for flag, value, known in (("--ops", ops, allowed), ("--presets", presets, None)):
+        names = value.split(",") if value else None
+        known = known if known is not None else list_presets()
+        bad = [n for n in names or [] if n not in known]
+        if bad:
+            parser.error(f"{flag}: unknown {bad}; expected some of {known}")
+        chosen.append(names)
+    return tuple(chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -712,23 +747,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
     args = parser.parse_args(argv)
     allowed = list(STAGE_CALLS) if args.stages else names
-    ops = args.ops.split(",") if args.ops else None
-    unknown = [o for o in ops or [] if o not in allowed]
-    if unknown:
-        parser.error(f"--ops: unknown {unknown}; expected some of {allowed}")
+    ops, presets = parse_selection(parser, args.ops, args.presets, allowed)
     try:
         seqlens = [int(t) for t in args.seqlens.split(",")]
     except ValueError:
         parser.error(f"--seqlens: expected comma-separated integers, got {args.seqlens!r}")
     if any(t < 1 for t in seqlens) or args.tokens < 1:
         parser.error("--seqlens and --tokens must be positive")
-    presets = args.presets.split(",") if args.presets else None
-    if presets:
-        from ttr.models.presets import list_presets
-
-        bad = [p for p in presets if p not in list_presets()]
-        if bad:
-            parser.error(f"--presets: unknown {bad}; expected some of {list_presets()}")
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
     if not todo and not (args.stages or args.profile):
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")

@@ -3,6 +3,7 @@ runs of their code paths on debug presets (no measurement). The GPU cases at the
 shapes where a GPU is present."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from ttr.models.layers import LAYER_TYPES
 from ttr.models.presets import get_preset, list_presets
-from ttr.scripts import bench_kernels, bench_model
+from ttr.scripts import bench_kernels, bench_model, kernel_resources
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
@@ -277,3 +278,47 @@ def test_bench_model_runs_a_preset_on_gpu(tmp_path):
         (row,) = json.loads(path.read_text())["rows"]
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_gib"] > 1, row
+
+
+def test_kernel_resources_reads_the_hottest_loop():
+    """The loop with the most instructions is found from its backward branch; its local-memory and
+    warpgroup-matrix instructions are counted per iteration."""
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   LDL R2, [R1] ;",
+        "        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+        "        /*0030*/                   LDL.64 R4, [R1+0x8] ;",
+        "        /*0040*/                   STL [R1+0x10], R4 ;",
+        "        /*0050*/               @P0 BRA 0x20 ;",
+        "        /*0060*/                   LDL R6, [R1+0x20] ;",
+        "        /*0070*/               @P1 BRA 0x60 ;",
+        "        /*0080*/                   EXIT ;",
+    ])
+    assert kernel_resources.hottest_loop(sass) == dict(loop_instructions=4, loop_ldl=1, loop_stl=1, loop_gmma=1,
+                                                       loop_hmma=0)
+    assert kernel_resources.hottest_loop("        /*0000*/                   EXIT ;")["loop_instructions"] == 0
+
+
+def test_kernel_resources_compiles_an_ops_launches(tmp_path):
+    """The interpreter run records simple GLA's launches; each compiles for sm_90a with its
+    registers, stack and shared memory read back; a second run reads the saved launches."""
+    try:
+        kernel_resources._tool("cuobjdump"), kernel_resources._tool("ptxas")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    launches = tmp_path / "launches.json"
+    cmd = [sys.executable, "-m", "ttr.scripts.kernel_resources", "--shapes", "uniform", "--ops", "simple_gla",
+           "--seqlen", "64", "--launches", str(launches), "--json", str(tmp_path / "r.json")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert {"state_fwd_kernel", "state_scan_kernel", "output_fwd_kernel"} <= kernels, kernels
+    for r in rows:
+        assert "error" not in r and 0 < r["regs"] <= 255 and r["stack"] >= 0 and r["smem"] >= 0, r
+    walk = next(r for r in rows if r["kernel"] == "state_fwd_kernel")
+    assert walk["loop_instructions"] > 0 and walk["loop_gmma"] > 0, walk  # the chunk walk's dot is a wgmma
+    assert json.loads(launches.read_text()) and subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    refused = subprocess.run(cmd, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert refused.returncode == 2 and "without TRITON_INTERPRET" in refused.stderr
