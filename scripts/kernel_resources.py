@@ -67,11 +67,11 @@ def _record(self, *args, grid, warmup, **kwargs):
     import triton.language as tl
 
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
-    params = inspect.signature(self.fn).parameters
-    bound = inspect.signature(self.fn).bind(*args, **kwargs)
+    params = inspect.signature(self.fn)
+    bound = params.bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
-    for name, param in params.items():
+    for name, param in params.parameters.items():
         value = bound.arguments[name]
         # annotations are strings in modules with postponed evaluation
         constexpr = param.annotation is tl.constexpr or "constexpr" in str(param.annotation)
@@ -122,7 +122,7 @@ def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqle
 
 def _jit_function(module: str, name: str):
     """The kernel's ``JITFunction`` (unwrapping ``triton.autotune`` and ``triton.heuristics``) and
-    its autotune configs (None without autotune)."""
+    its ``Autotuner`` (None without autotune)."""
     import importlib
 
     fn = getattr(importlib.import_module(module), name)
