@@ -690,8 +690,23 @@ SWEEPS = {
 }
 
 
-def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: bool) -> str:
-    """Median ms per stage at the heuristic launch parameters, and (``sweep``) per alternative."""
+def sweep_stages(parser, value: str | None, ops: list[str]) -> set[str] | None:
+    """``--sweep``'s stages: None (no sweep), every stage of ``SWEEPS`` for ``all``, or the named ones;
+    a name that no chosen op sweeps is a parser error that names the flag."""
+    if value is None:
+        return None
+    known = sorted({stage for op in ops for stage in SWEEPS.get(op, {})})
+    if value == "all":
+        return set(known)
+    names = set(value.split(","))
+    if not names <= set(known):
+        parser.error(f"--sweep: unknown stages {sorted(names - set(known))}; expected some of {known}")
+    return names
+
+
+def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str] | None) -> str:
+    """Median ms per stage at the heuristic launch parameters, and per alternative of the ``sweep``
+    stages (``SWEEPS``)."""
     from ttr.scripts.bench_utils import time_stages
 
     device = torch.device("cuda")
@@ -699,7 +714,7 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: bool) -
     for name in ops:
         for B, T in shapes:
             out += time_stages(STAGE_CALLS[name](B, T, device), f"{name} {B}x{T}",
-                               SWEEPS.get(name) if sweep else None)
+                               {k: v for k, v in SWEEPS.get(name, {}).items() if k in sweep} if sweep else None)
     return "\n".join(out)
 
 
@@ -743,11 +758,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows and the environment to this JSON file")
     parser.add_argument("--stages", action="store_true",
                         help=f"time each engine stage instead ({', '.join(STAGE_CALLS)})")
-    parser.add_argument("--sweep", action="store_true", help="with --stages: also time launch alternatives")
+    parser.add_argument("--sweep", nargs="?", const="all", default=None, metavar="STAGES",
+                        help="with --stages: also time launch alternatives (of every stage, or of the "
+                             "comma-separated STAGES only)")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
     args = parser.parse_args(argv)
     allowed = list(STAGE_CALLS) if args.stages else names
     ops, presets = parse_selection(parser, args.ops, args.presets, allowed)
+    sweep = sweep_stages(parser, args.sweep, ops or allowed) if args.stages else None
     try:
         seqlens = [int(t) for t in args.seqlens.split(",")]
     except ValueError:
@@ -768,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data = None
     if args.stages:
-        table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens], args.sweep)
+        table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
+                               sweep)
     elif args.profile:
         table = profile(ops or allowed, seqlens)
     else:

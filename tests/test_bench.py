@@ -65,11 +65,19 @@ def test_plan_keeps_the_uniform_rows():
 def test_bench_kernels_arguments_are_checked_by_name(capsys):
     cases = [(["--ops", "lstm"], "--ops: unknown"), (["--stages", "--ops", "swa"], "--ops: unknown"),
              (["--presets", "gla-7b"], "--presets: unknown"), (["--seqlens", "4k"], "--seqlens"),
-             (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs")]
+             (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs"),
+             (["--stages", "--ops", "ssd", "--sweep", "wy_fwd"], "--sweep: unknown stages ['wy_fwd']")]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             bench_kernels.main(argv)
         assert message in capsys.readouterr().err, argv
+
+
+def test_bench_kernels_sweeps_the_named_stages_only():
+    parser = bench_kernels.argparse.ArgumentParser()
+    assert bench_kernels.sweep_stages(parser, None, ["ssd"]) is None
+    assert bench_kernels.sweep_stages(parser, "all", ["delta"]) == set(bench_kernels.DELTA_SWEEP)
+    assert bench_kernels.sweep_stages(parser, "state_bwd,wy_fwd", ["ssd", "delta"]) == {"state_bwd", "wy_fwd"}
 
 
 def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
