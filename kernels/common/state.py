@@ -36,7 +36,8 @@ Two implementations:
 
 Choosing the path: without ``w``, the two-level pass runs when the sequences average at least
 ``TWO_LEVEL_MIN_CHUNKS`` chunks (where it starts to win; shorter sequences fill the GPU with the
-sequential walk, which moves 2 - 3x fewer bytes); ``index.TUNING["state_fwd"] = {"two_level":
+sequential walk, which moves 2 - 3x fewer bytes), except in the forward with a scalar gate (or
+none), whose walk stays ahead at every length measured (``_two_level``); ``index.TUNING["state_fwd"] = {"two_level":
 False or True}`` (and ``"state_bwd"``) forces either (both paths agree to rounding). Launch
 parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
 "state_bwd_chunk", "state_bwd_scan" ({"BK", "BV", "num_warps", "num_stages"}; the scan tile is
@@ -321,12 +322,19 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
     _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
 
 
-def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool):
+def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool,
+                  walk: str = "delta"):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
-    backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8.
+    backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
+    without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta"), which on 4 warps spills
+    its running state (Triton 3.6, sm_90a) and on 8 does not: measured on an H200, bf16, 8 warps
+    took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to 0.125 ms at 8 x 2048 and GLA's (K =
+    64, V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay faster (0.122
+    against 0.138 ms, Gated DeltaNet). The vector gate's forward runs 2 stages (0.122 against 0.198
+    ms with 3).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -341,9 +349,11 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV //= 2
     if split:
         return BK, 64, 4, 1, split
-    num_warps = 8 if backward and KP * BV >= 128 * 64 else 4
+    num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta") else 4
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
+    if not backward and walk == "vector":
+        num_stages = min(num_stages, 2)
     return BK, BV, num_warps, num_stages, split
 
 
@@ -361,16 +371,23 @@ def _checked(cfg: dict, elem: int) -> dict:
 # sequential walk costs a fixed time per chunk of the longest sequence, the two-level pass a fixed
 # time per token (it is bandwidth-bound), so the walk wins on short sequences (many sequences fill
 # the GPU) and loses on long ones; timed on GLA at H = 16, K = V = 128, bf16, the two cross between
-# 80 and 95 chunks per sequence.
+# 80 and 95 chunks per sequence. The forward with a scalar gate walks at any length: its 8-warp walk
+# stayed ahead up to 256 chunks per sequence on an H200 (SSD, H = 64, K = 128, V = 64: 0.192
+# against 0.444 ms at 1 x 16384; simple GLA, H = 16, K = V = 128: 0.163 against 0.238 ms), where
+# the vector gate's two-level forward wins from 128 chunks on (GLA, K = 64: 0.256 against 0.272 ms
+# at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
 TWO_LEVEL_MIN_CHUNKS = 96
+SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS: int | None = None  # the scalar-gate forward: never
 
 
-def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan) -> bool:
-    """Two-level without ``w`` for long sequences (``TWO_LEVEL_MIN_CHUNKS``); ``TUNING[stage]
-    ["two_level"]`` overrides the choice."""
+def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Tensor | None = None) -> bool:
+    """Two-level without ``w`` for long sequences (``TWO_LEVEL_MIN_CHUNKS``; the forward without a
+    vector gate ``gk``: ``SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS``); ``TUNING[stage]["two_level"]`` overrides
+    the choice."""
     if w is not None:
         return False
-    long_seqs = plan.num_chunks >= TWO_LEVEL_MIN_CHUNKS * plan.num_seqs
+    least = SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS if stage == "state_fwd" and gk is None else TWO_LEVEL_MIN_CHUNKS
+    long_seqs = least is not None and plan.num_chunks >= least * plan.num_seqs
     return bool(tuned(stage, two_level=long_seqs)["two_level"])
 
 
@@ -431,7 +448,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
-    if _two_level("state_fwd", w, plan):
+    if _two_level("state_fwd", w, plan, gk):
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk")
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
                       reverse=False, stage="state_fwd_scan")
@@ -439,7 +456,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False)
+    walk = "delta" if w is not None else "vector" if gk is not None else "scalar"
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False, walk)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
     cfg = cfg if split else _checked(_sequential_cfg("state_fwd", **cfg), k.element_size())
     h = k.new_empty(plan.num_chunks, H, K, V)

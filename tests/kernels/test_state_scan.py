@@ -27,6 +27,7 @@ def two_level_by_default(monkeypatch):
     """These tests use short sequences, where the heuristic picks the sequential pass: make the
     two-level pass the default here (``sequential()`` still forces the other one)."""
     monkeypatch.setattr(state, "TWO_LEVEL_MIN_CHUNKS", 0)
+    monkeypatch.setattr(state, "SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS", 0)
 
 
 @contextmanager
@@ -201,14 +202,18 @@ def test_path_switch(monkeypatch):
 
 def test_path_heuristic(monkeypatch):
     """Long sequences (on average >= TWO_LEVEL_MIN_CHUNKS chunks) take the two-level pass, short
-    ones the sequential walk; TUNING overrides; the delta rules (w) always walk."""
+    ones the sequential walk; the forward with a scalar gate and the delta rules (w) always walk;
+    TUNING overrides."""
     monkeypatch.undo()  # the real threshold
     n = state.TWO_LEVEL_MIN_CHUNKS
     short, long = prepare_chunks(None, 4, 64 * (n - 1)), prepare_chunks(None, 2, 64 * n)
     packed = prepare_chunks(torch.tensor([0, 64 * n + 1, 64 * n + 2]), 1, 64 * n + 2)  # 2 seqs, n + 2 chunks
-    assert not state._two_level("state_fwd", None, short)
-    assert state._two_level("state_fwd", None, long)
+    gk = torch.empty(0)
+    assert not state._two_level("state_fwd", None, short, gk)
+    assert state._two_level("state_fwd", None, long, gk)
+    assert state._two_level("state_bwd", None, long)
+    assert not state._two_level("state_fwd", None, long)  # a scalar gate's forward always walks
     assert not state._two_level("state_bwd", None, packed)
-    assert not state._two_level("state_fwd", torch.empty(0), long)
+    assert not state._two_level("state_fwd", torch.empty(0), long, gk)
     monkeypatch.setitem(TUNING, "state_fwd", {"two_level": True})
     assert state._two_level("state_fwd", None, short)
