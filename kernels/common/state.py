@@ -329,12 +329,13 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
     backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
-    without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta"), which on 4 warps spills
-    its running state (Triton 3.6, sm_90a) and on 8 does not: measured on an H200, bf16, 8 warps
-    took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to 0.125 ms at 8 x 2048 and GLA's (K =
-    64, V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay faster (0.122
-    against 0.138 ms, Gated DeltaNet). The vector gate's forward runs 2 stages (0.122 against 0.198
-    ms with 3).
+    without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, which on 4
+    warps spills its running state (Triton 3.6, sm_90a) and on 8 does not: measured on an H200,
+    bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to 0.125 ms at 8 x 2048
+    and GLA's (K = V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay
+    faster (0.122 against 0.138 ms, Gated DeltaNet), and at GLA-1.3B's K = 64 too (the op's forward
+    0.356 against 0.359 ms at 8 x 2048). The vector gate's forward on 8 warps runs 2 stages (0.122
+    against 0.198 ms with 3).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -349,10 +350,10 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV //= 2
     if split:
         return BK, 64, 4, 1, split
-    num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta") else 4
+    num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta" and KP >= 128) else 4
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    if not backward and walk == "vector":
+    if not backward and walk == "vector" and num_warps == 8:
         num_stages = min(num_stages, 2)
     return BK, BV, num_warps, num_stages, split
 
@@ -374,8 +375,8 @@ def _checked(cfg: dict, elem: int) -> dict:
 # 80 and 95 chunks per sequence. The forward with a scalar gate walks at any length: its 8-warp walk
 # stayed ahead up to 256 chunks per sequence on an H200 (SSD, H = 64, K = 128, V = 64: 0.192
 # against 0.444 ms at 1 x 16384; simple GLA, H = 16, K = V = 128: 0.163 against 0.238 ms), where
-# the vector gate's two-level forward wins from 128 chunks on (GLA, K = 64: 0.256 against 0.272 ms
-# at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
+# the vector gate's two-level forward wins from 128 chunks on (GLA, H = 16, K = V = 128: 0.256
+# against 0.272 ms at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
 TWO_LEVEL_MIN_CHUNKS = 96
 SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS: int | None = None  # the scalar-gate forward: never
 
