@@ -13,7 +13,7 @@ import torch
 
 from ttr.models.layers import LAYER_TYPES
 from ttr.models.presets import get_preset, list_presets
-from ttr.scripts import bench_kernels, bench_model, kernel_resources
+from ttr.scripts import bench_kernels, bench_model, bench_stages, kernel_resources
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
@@ -75,9 +75,9 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
 
 def test_bench_kernels_sweeps_the_named_stages_only():
     parser = bench_kernels.argparse.ArgumentParser()
-    assert bench_kernels.sweep_stages(parser, None, ["ssd"]) is None
-    assert bench_kernels.sweep_stages(parser, "all", ["delta"]) == set(bench_kernels.DELTA_SWEEP)
-    assert bench_kernels.sweep_stages(parser, "state_bwd,wy_fwd", ["ssd", "delta"]) == {"state_bwd", "wy_fwd"}
+    assert bench_stages.sweep_stages(parser, None, ["ssd"]) is None
+    assert bench_stages.sweep_stages(parser, "all", ["delta"]) == set(bench_stages.DELTA_SWEEP)
+    assert bench_stages.sweep_stages(parser, "state_bwd,wy_fwd", ["ssd", "delta"]) == {"state_bwd", "wy_fwd"}
 
 
 def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
@@ -133,7 +133,7 @@ def test_bench_rows_and_stages_are_checked_by_name():
     """Every row of the kernel table is one of the script's own; --stages covers the engine's
     pipelines and SSD's grouped stages."""
     assert list(bench_kernels.rows()) == ["gated_delta", "delta", "gla", "simple_gla", "ssd", "swa", "attn"]
-    assert set(bench_kernels.SWEEPS) <= set(bench_kernels.STAGE_CALLS) <= set(bench_kernels.rows())
+    assert set(bench_stages.SWEEPS) <= set(bench_stages.STAGE_CALLS) <= set(bench_kernels.rows())
 
 
 # the benchmark's inputs are bf16, which the interpreter loads as garbage: the closures run, their
@@ -145,12 +145,12 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
 
     if not interpreter_active():
         pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
-    monkeypatch.setattr(bench_kernels, "HEADS", 2)
-    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
-    monkeypatch.setattr(bench_kernels, "SSD_STAGE_SHAPE", bench_kernels.Shape("ssd", 2, 16, 16, groups=1))
-    for name, stage_calls in bench_kernels.STAGE_CALLS.items():
+    monkeypatch.setattr(bench_stages, "HEADS", 2)
+    monkeypatch.setattr(bench_stages, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench_stages, "SSD_STAGE_SHAPE", bench_kernels.Shape("ssd", 2, 16, 16, groups=1))
+    for name, stage_calls in bench_stages.STAGE_CALLS.items():
         calls = stage_calls(1, 80, torch.device("cpu"))
-        assert set(bench_kernels.SWEEPS.get(name, {})) <= set(calls)
+        assert set(bench_stages.SWEEPS.get(name, {})) <= set(calls)
         for fn in calls.values():
             fn()
 

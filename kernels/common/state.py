@@ -37,8 +37,9 @@ Two implementations:
 Choosing the path: without ``w``, the two-level pass runs when the sequences average at least
 ``TWO_LEVEL_MIN_CHUNKS`` chunks (where it starts to win; shorter sequences fill the GPU with the
 sequential walk, which moves 2 - 3x fewer bytes), except in the forward with a scalar gate (or
-none), whose walk stays ahead at every length measured (``_two_level``); ``index.TUNING["state_fwd"] = {"two_level":
-False or True}`` (and ``"state_bwd"``) forces either (both paths agree to rounding). Launch
+none), whose walk stays ahead at every length measured (``_two_level``);
+``index.TUNING["state_fwd"] = {"two_level": False or True}`` (and ``"state_bwd"``) forces either
+(both paths agree to rounding). Launch
 parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
 "state_bwd_chunk", "state_bwd_scan" ({"BK", "BV", "num_warps", "num_stages"}; the scan tile is
 ``[BK, BV]``) and "state_bwd_dv"; those of the sequential kernels under "state_fwd" and

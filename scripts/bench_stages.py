@@ -1,0 +1,244 @@
+"""``ttr bench --stages``: each engine stage of an op timed on its own, and (``--sweep``) the launch
+alternatives of ``SWEEPS`` next to the heuristic defaults, fastest first; a winner becomes the
+stage's default in ``kernels/common``. The delta rules, GLA and simple GLA run at H = 16, K = V = 128,
+SSD at Mamba2-1.3B's shape (``SSD_STAGE_SHAPE``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ttr.scripts.bench_kernels import (
+    HEAD_DIM,
+    HEADS,
+    Shape,
+    delta_inputs,
+    gla_inputs,
+    simple_gla_inputs,
+    ssd_inputs,
+)
+
+
+def _stage_inputs(make_inputs, B: int, T: int, device):
+    """bf16 inputs of the benchmark's shape, an output gradient, the scale and the chunk plan."""
+    from ttr.kernels.common.index import prepare_chunks
+
+    x = make_inputs(B, T, Shape("", HEADS, HEAD_DIM, HEAD_DIM), torch.bfloat16, device)
+    return x, torch.randn_like(x["v"]), HEAD_DIM**-0.5, prepare_chunks(None, B, T, device=device)
+
+
+def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
+    """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.common.wy import wy_bwd, wy_fwd
+
+    x, do, scale, plan = _stage_inputs(delta_inputs(gated), B, T, device)
+    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x.get("g")
+    gc = chunk_local_cumsum(g, plan) if gated else None
+    w, u, Ai = wy_fwd(k, v, beta, plan, g=gc)
+    h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
+    dvl = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, _, dv2 = state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc)
+    dq, dk, dw, dg = output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2)
+    calls = {
+        "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
+        "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
+        "state_fwd": lambda: state_fwd(k, u, plan, w=w, g=gc),
+        "output_fwd": lambda: output_fwd(q, k, vn, h, plan, scale=scale, g=gc),
+        "output_bwd_dv": lambda: output_bwd_dv(q, k, do, plan, scale=scale, g=gc),
+        "state_bwd": lambda: state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc),
+        "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
+        "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
+    }
+    if gated:
+        calls["cumsum"] = lambda: chunk_local_cumsum(g, plan)
+    return calls
+
+
+def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
+    """One closure per stage of chunk_gla's forward and backward, on bf16 inputs."""
+    from ttr.kernels.common import intra_vector_gate as vg
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.state import state_bwd, state_fwd
+
+    x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    gk = chunk_local_cumsum(g, plan)
+    h, _, _ = state_fwd(k, v, plan, gk=gk)
+    A = vg.vector_gate_scores(q, k, gk, plan, scale=scale)
+    dvi = vg.vector_gate_dv(A, do, plan)
+    dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
+    dA = vg.vector_gate_dA(v, do, plan, scale=scale)
+    dqi, dki = vg.vector_gate_intra_bwd(q, k, gk, dA, plan)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(g, plan),
+        "state_fwd": lambda: state_fwd(k, v, plan, gk=gk),
+        "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
+        "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
+        "vector_gate_dv": lambda: vg.vector_gate_dv(A, do, plan),
+        "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
+        # the same calls again under the names of the two-level pass's scan tunings (for --sweep)
+        "state_fwd_scan": lambda: state_fwd(k, v, plan, gk=gk),
+        "state_bwd_scan": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
+        "vector_gate_dA": lambda: vg.vector_gate_dA(v, do, plan, scale=scale),
+        "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
+        "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan, scale=scale),
+    }
+
+
+def simple_gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
+    """One closure per stage of chunk_simple_gla's forward and backward, on bf16 inputs."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.state import state_bwd, state_fwd
+
+    x, do, scale, plan = _stage_inputs(simple_gla_inputs, B, T, device)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    gc = chunk_local_cumsum(g, plan)
+    h, _, _ = state_fwd(k, v, plan, g=gc)
+    dvi = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+    dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, g=gc)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(g, plan),
+        "state_fwd": lambda: state_fwd(k, v, plan, g=gc),
+        "output_fwd": lambda: output_fwd(q, k, v, h, plan, scale=scale, g=gc),
+        "output_bwd_dv": lambda: output_bwd_dv(q, k, do, plan, scale=scale, g=gc),
+        "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, g=gc),
+        "output_bwd_dqk": lambda: output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc),
+        "cumsum_reverse": lambda: chunk_local_cumsum(gc, plan, reverse=True),
+    }
+
+
+# the shape ``--stages`` times SSD at: Mamba2-1.3B's layer (H = 64, P = 64, N = 128, one group)
+SSD_STAGE_SHAPE = Shape("ssd", 64, 128, 64, groups=1)
+
+
+def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
+    """One closure per stage of chunk_ssd's forward and backward at ``SSD_STAGE_SHAPE``, on bf16
+    inputs; the keys of the grouped stages are their tuning names."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.ssd import grouped
+
+    x = ssd_inputs(B, T, SSD_STAGE_SHAPE, torch.bfloat16, device)
+    xs, dt, A, Bm, C, v = x["x"], x["dt"], x["A"], x["B"], x["C"], x["v"]  # v = x dt, as the op forms it
+    D = torch.ones(SSD_STAGE_SHAPE.H, device=device)
+    plan = prepare_chunks(None, B, T, device=device)
+    do = torch.randn_like(xs)
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    h, _, _ = state_fwd(Bm, v, plan, g=gc)
+    cb = grouped.cb_fwd(C, Bm, plan)
+    dvi = grouped.output_bwd_dv(cb, gc, do, plan)
+    dh, _, _ = state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc)
+    return {
+        "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
+        "state_fwd": lambda: state_fwd(Bm, v, plan, g=gc),
+        "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
+        "ssd_output_fwd": lambda: grouped.output_fwd(C, v, h, cb, gc, plan, x=xs, D=D),
+        "ssd_output_bwd_dv": lambda: grouped.output_bwd_dv(cb, gc, do, plan),
+        "state_bwd": lambda: state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc),
+        "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
+    }
+
+
+STAGE_CALLS = {
+    "ssd": ssd_stage_calls,
+    "gated_delta": lambda B, T, device: delta_stage_calls(B, T, True, device),
+    "delta": lambda B, T, device: delta_stage_calls(B, T, False, device),
+    "gla": gla_stage_calls,
+    "simple_gla": simple_gla_stage_calls,
+}
+
+# The sequential state pass with 8 warps (or BV = 32): the launches the compiler's report
+# (scripts/kernel_resources.py) shows without the spills of the 4-warp defaults (BV = 64) at K = 128.
+# One stage with BV < 64 is left out: it gives wrong states on the H200 (state._checked).
+STATE_WALK_SWEEP = {
+    "state_fwd": [dict(two_level=False, num_warps=8, num_stages=ns) for ns in (2, 3)]
+    + [dict(two_level=False, BV=32, num_warps=4, num_stages=3)],
+    "state_bwd": [dict(two_level=False, num_warps=8, num_stages=ns, BV=bv) for ns, bv in ((1, 64), (2, 32), (3, 32))]
+    + [dict(two_level=False, BV=32, num_warps=4, num_stages=2)],
+}
+# the WY forward on 4 or 8 warps (2 cannot issue Hopper's warpgroup products) and the dq/dk stage on
+# 8: fewer or no spills in the compiler's report
+DELTA_SWEEP = {
+    "wy_fwd": [dict(num_warps=nw) for nw in (4, 8)],
+    "output_bwd_dqk": [dict(num_warps=8)],
+    **STATE_WALK_SWEEP,
+}
+
+# Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
+SWEEPS = {
+    "gated_delta": {
+        "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((32, 32), (32, 64), (64, 64), (64, 128),
+                   (128, 64), (128, 128)) for nw in (4, 8)],
+        **DELTA_SWEEP,
+    },
+    "delta": DELTA_SWEEP,
+    "gla": {
+        "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
+                               for ns in (1, 2, 3)],
+        "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (4, 8)
+                                  for ns in (1, 2)],
+        # the sequential state pass (two_level=False) against the two-level one's tiles
+        "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"],
+        "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"],
+        "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
+                           (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
+        "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
+                           (32, 64)) for ns in (2, 4)],
+    },
+    "ssd": {
+        "ssd_output_bwd_dcb": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
+                               for bv in (32, 64) for nw in (4, 8) for ns in (1, 2, 3)],
+        "ssd_output_fwd": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (32, 64)
+                           for nw in (4, 8) for ns in (2, 3)],
+        "ssd_output_bwd_dv": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (32, 64) for nw in (2, 4, 8)
+                              for ns in (1, 2, 3)],
+        "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
+                   for ns in (1, 2, 3)],
+        "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"],
+        "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"],
+    },
+    "simple_gla": {
+        # BK 32 is left out: an illegal memory access on Hopper (Triton 3.6), not reproduced by the interpreter
+        "output_bwd_dqk": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
+                           for ns in (1, 2, 3)],
+        "output_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (64, 128) for nw in (4, 8)
+                       for ns in (2, 3)],
+        "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3)],
+        "state_fwd": [dict(two_level=False), dict(two_level=True)],
+        "state_bwd": [dict(two_level=False), dict(two_level=True)],
+    },
+}
+
+
+def sweep_stages(parser, value: str | None, ops: list[str]) -> set[str] | None:
+    """``--sweep``'s stages: None (no sweep), every stage of ``SWEEPS`` for ``all``, or the named ones;
+    a name that no chosen op sweeps is a parser error that names the flag."""
+    if value is None:
+        return None
+    known = sorted({stage for op in ops for stage in SWEEPS.get(op, {})})
+    if value == "all":
+        return set(known)
+    names = set(value.split(","))
+    if not names <= set(known):
+        parser.error(f"--sweep: unknown stages {sorted(names - set(known))}; expected some of {known}")
+    return names
+
+
+def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str] | None) -> str:
+    """Median ms per stage at the heuristic launch parameters, and per alternative of the ``sweep``
+    stages (``SWEEPS``)."""
+    from ttr.scripts.bench_utils import time_stages
+
+    device = torch.device("cuda")
+    out = []
+    for name in ops:
+        for B, T in shapes:
+            out += time_stages(STAGE_CALLS[name](B, T, device), f"{name} {B}x{T}",
+                               {k: v for k, v in SWEEPS.get(name, {}).items() if k in sweep} if sweep else None)
+    return "\n".join(out)
