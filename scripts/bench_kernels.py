@@ -450,6 +450,8 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from ttr.scripts.bench_utils import kernel_times
+
     x, do = _inputs(row, B, T, s, device)
     leaves = _leaves(x)
 
@@ -471,9 +473,7 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
         for _ in range(iters):
             step()
         sync()
-    kernels = [(e.key, e.count / iters, e.self_device_time_total / iters / 1e3) for e in p.key_averages()
-               if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    kernels.sort(key=lambda k: -k[2])
+    kernels = kernel_times(p, iters)
     return sum(k[2] for k in kernels), host, kernels
 
 

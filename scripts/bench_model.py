@@ -17,6 +17,11 @@ own process, so that a crash (an illegal address poisons the CUDA context) costs
 ``--time-budget`` lists the models not started in time as skipped; the table and JSON are
 rewritten after every model, so a run killed from outside keeps what it measured.
 
+``--profile`` (plain loop) also runs one more step under ``torch.profiler`` and splits its GPU time
+by kind of work: matrix products, each library's mixer op, norms, short convs, loss, attention,
+PyTorch's elementwise kernels, the optimizer, and the time no kernel ran; the JSON keeps the
+longest kernels too.
+
 ``--loop trainer`` drives the models with ttr's trainer instead (``configs/PRESET.toml``'s
 optimizer, packed documents of the embedded corpus with ``cu_seqlens``, accelerate; tokens/s the
 median of the timed steps); its references are fla's models, the ones that take ``cu_seqlens``.
@@ -54,8 +59,11 @@ from ttr.scripts.bench_utils import (
     describe_environment,
     environment,
     fla_guard_note,
+    kernel_times,
     lift_fla_guard,
+    step_breakdown,
     time_ms,
+    triton_kernel_kinds,
 )
 
 GIB = 2**30
@@ -123,7 +131,8 @@ def model_name(model) -> str:
     return f"{ORIGINS.get(origin, origin)} {type(model).__name__}"
 
 
-def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: int, device) -> dict:
+def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: int, device,
+               profile: bool = False) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
     ids = torch.randint(0, vocab, (batch, seq_len), device=device)
@@ -138,8 +147,43 @@ def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: 
         losses.append(loss.detach())
 
     ms = time_ms(step, reps=steps, warmup=warmup, device=device)
-    return {"step_ms": ms, "tokens_per_s": batch * seq_len / ms * 1e3,
-            "loss_first": losses[0].item(), "loss_last": losses[-1].item()}
+    result = {"step_ms": ms, "tokens_per_s": batch * seq_len / ms * 1e3,
+              "loss_first": losses[0].item(), "loss_last": losses[-1].item()}
+    if profile:
+        result.update(profile_step(step, device))
+    return result
+
+
+def profile_step(step, device) -> dict:
+    """One more ``step`` under ``torch.profiler``: its GPU time by kind of work (``step_breakdown``)
+    and its 25 longest kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    on_gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step()
+        sync()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = kernel_times(prof)
+    return {"profile": {"step_ms": wall, "kinds": step_breakdown(kernels, wall, triton_kernel_kinds()),
+                        "kernels": kernels[:25]}}
+
+
+def breakdown_table(results: list[dict]) -> str:
+    """Each profiled row's step by kind of work, as markdown: ms per step and share."""
+    blocks = []
+    for r in results:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        blocks += [f"{r['preset']}, {r.get('model', r['impl'])}: one profiled step, {prof['step_ms']:.1f} ms", "",
+                   "| kind of work | ms per step | share |", "|---|---|---|"]
+        blocks += [f"| {kind} | {ms:.1f} | {100 * share:.1f} % |" for kind, ms, share in prof["kinds"]] + [""]
+    return "\n".join(blocks)
 
 
 def trainer_loop(preset: str, impl: str, args) -> dict:
@@ -228,7 +272,7 @@ def measure(preset: str, impl: str, args) -> dict:
             row["model"] = model_name(model)
             row["params"] = sum(p.numel() for p in model.parameters())
             row.update(plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
-                                  device))
+                                  device, profile=args.profile))
         row["status"] = "ok"
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -248,7 +292,7 @@ def _child_argv(args, preset: str, impl: str, result: str) -> list[str]:
     argv = ["--one", f"{preset}:{impl}", "--result", result, "--batch", str(args.batch), "--seq-len",
             str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--loop", args.loop,
             "--device", args.device, "--run-root", args.run_root, "--tokenizer", args.tokenizer]
-    return argv + (["--lift-fla-guard"] if args.lift_fla_guard else [])
+    return argv + (["--lift-fla-guard"] if args.lift_fla_guard else []) + (["--profile"] if args.profile else [])
 
 
 def measure_isolated(preset: str, impl: str, args, timeout: float | None) -> dict:
@@ -350,6 +394,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--isolate", action="store_true", help="each model in its own process")
+    parser.add_argument("--profile", action="store_true",
+                        help="plain loop: also one profiled step per model, its GPU time by kind of work")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; models not started by then are listed as skipped")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
@@ -378,6 +424,8 @@ def parse_args(argv: list[str] | None):
     for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.profile and args.loop != "plain":
+        parser.error("--profile: profiles the plain loop only (drop --loop trainer)")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -431,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 write(format_table(results, header) + ("\n\n" + note if note else ""))
         tables.append(format_table(results, header) + ("\n\n" + note if note else ""))
-        print("\n" + tables[-1], flush=True)
+        if args.profile:
+            tables.append(breakdown_table(results))
+        print("\n" + "\n\n".join(tables), flush=True)
     if args.decode:
         text = decode_table(args.preset_list, args, decoded)
         tables.append(text if args.train else describe_environment(env) + "\n\n" + text)

@@ -1,11 +1,15 @@
 """Helpers shared by the benchmark scripts: timing (CUDA events, median of repeats), peak memory,
-a time budget, the environment a table was measured in, per-stage sweeps, and the opt-in switch
-that lets fla 0.6.0 run on Hopper with an older Triton."""
+a time budget, the environment a table was measured in, per-stage sweeps, GPU time per kernel and
+per kind of work (``torch.profiler``), and the opt-in switch that lets fla 0.6.0 run on Hopper with
+an older Triton."""
 
 from __future__ import annotations
 
+import re
 import statistics
+import sys
 import time
+import types
 
 import torch
 
@@ -45,6 +49,69 @@ def peak_mib(fn):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def kernel_times(prof, calls: int = 1) -> list[tuple[str, float, float]]:
+    """``[(kernel, launches per call, ms per call)]`` of a ``torch.profiler`` run over ``calls``
+    calls (CUDA kernels, memcpys and memsets), longest first."""
+    kernels = [(e.key, e.count / calls, e.self_device_time_total / calls / 1e3) for e in prof.key_averages()
+               if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    return sorted(kernels, key=lambda k: -k[2])
+
+
+# Triton kernels by the module that defines them (ttr.kernels.*, fla.*): the first pattern the
+# module's name matches; the rest of those modules are the sequence mixers' chunkwise ops.
+TRITON_KINDS = (("norm", "norm"), ("conv", "short conv"), ("cross_entropy|loss", "loss"),
+                ("swiglu|activation", "MLP activation"), ("attention|attn", "attention"))
+# Other kernels by their own name (cuBLAS, PyTorch's ATen kernels, SDPA's flash kernels).
+KERNEL_KINDS = (("gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk", "matmul"), ("flash|fmha|attention", "attention"),
+                ("multi_tensor|adam", "optimizer"), ("memcpy|memset|copy|catarray", "copies and casts"),
+                ("", "PyTorch elementwise and reductions"))
+
+
+def triton_kernel_kinds(prefixes=("ttr.kernels", "fla.")) -> dict[str, str]:
+    """The Triton kernels of the loaded modules under ``prefixes``, by name: ``{name: kind}``,
+    the kind from ``TRITON_KINDS`` ("mixer op" where no pattern matches), prefixed by its library."""
+    kinds = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(prefixes):
+            continue
+        for obj in list(vars(module).values()):
+            kernel = _kernel_function(obj)
+            if kernel is not None:
+                kind = next((k for pattern, k in TRITON_KINDS if re.search(pattern, name)), "mixer op")
+                kinds[kernel.__name__] = f"{name.split('.')[0]} {kind}"
+    return kinds
+
+
+def _kernel_function(obj):
+    """The Python function inside a Triton kernel object (``triton.jit``'s, the interpreter's, an
+    autotuner's or a heuristics wrapper's: each keeps what it wraps in ``.fn``), else None."""
+    wrapped = False
+    while hasattr(obj, "fn") and not isinstance(obj, types.FunctionType):
+        obj, wrapped = obj.fn, True
+    return obj if wrapped and isinstance(obj, types.FunctionType) else None
+
+
+def kernel_kind(kernel: str, triton_kinds: dict[str, str]) -> str:
+    """What a kernel of a training step does: its entry in ``triton_kinds``, else the first
+    ``KERNEL_KINDS`` pattern its name matches."""
+    if kernel in triton_kinds:
+        return triton_kinds[kernel]
+    return next(kind for pattern, kind in KERNEL_KINDS if re.search(pattern, kernel, re.IGNORECASE))
+
+
+def step_breakdown(kernels: list[tuple[str, float, float]], step_ms: float, triton_kinds: dict[str, str]) -> list:
+    """``[(kind, ms per step, share of the step)]`` from ``kernel_times`` of one step, longest
+    first, and last the step's time no kernel ran in (the GPU waiting on the host; kernels of one
+    stream do not overlap)."""
+    totals: dict[str, float] = {}
+    for name, _, ms in kernels:
+        kind = kernel_kind(name, triton_kinds)
+        totals[kind] = totals.get(kind, 0.0) + ms
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    rows.append(("no kernel running", max(step_ms - sum(totals.values()), 0.0)))
+    return [(kind, ms, ms / step_ms if step_ms else 0.0) for kind, ms in rows]
 
 
 class Deadline:

@@ -4,6 +4,7 @@
 # concurrent processes on the one GPU (the losses do not depend on the sharing; the tokens/s they
 # print then do, so the parity table leaves them out).
 #   RUNS="gated_deltanet.ttr gated_deltanet.reference" bash scripts/device_parity.sh [bench_parity args...]
+# PARITY_SITE=DIR puts DIR first on the runs' path (another Triton for the reference, say).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ttr_out}
@@ -13,7 +14,7 @@ if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 # .whl/ref: reference packages carried as source (the Triton kernels of mamba_ssm, for HF Mamba2)
-export PYTHONPATH=/tmp/ttr_pkg:/tmp/site:$PWD/.whl/ref
+export PYTHONPATH=${PARITY_SITE:+$PARITY_SITE:}/tmp/ttr_pkg:/tmp/site:$PWD/.whl/ref
 bench() { python3 -W ignore -m ttr.scripts.bench_parity --out "$OUT/parity" --data-cache /tmp/parity.npz "$@"; }
 bench --prepare-only "$@" 2>&1 | tail -3
 # FAMILY.IMPL@SEED draws that run's initial weights with SEED (--init-seed; the data order stays;

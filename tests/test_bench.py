@@ -334,3 +334,44 @@ def test_kernel_resources_compiles_an_ops_launches(tmp_path):
     assert [r["kernel"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]] == ["state_fwd_kernel"]
     refused = subprocess.run(cmd, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert refused.returncode == 2 and "without TRITON_INTERPRET" in refused.stderr
+
+
+def test_step_breakdown_sorts_kernels_by_kind_of_work():
+    """Kernels of a step go to their kind: ttr's Triton kernels by their module, cuBLAS, SDPA and
+    PyTorch's own by name; what no kernel covers is the time the GPU waited."""
+    import ttr.kernels.gla  # noqa: F401  (its kernels, and the shared chunkwise ones, are loaded)
+    import ttr.kernels.loss  # noqa: F401
+    import ttr.kernels.norm  # noqa: F401
+    from ttr.scripts.bench_utils import kernel_kind, step_breakdown, triton_kernel_kinds
+
+    kinds = triton_kernel_kinds()
+    assert kinds["_rms_norm_fwd_kernel"] == "ttr norm" and kinds["_ce_fwd_bwd_kernel"] == "ttr loss"
+    assert kinds["state_fwd_kernel"] == "ttr mixer op"
+    for name, kind in (("nvjet_tst_192x192_64x3_1x2_h_bz_coopA_TNT", "matmul"),
+                       ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+                       ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+                       ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+                        "optimizer"),
+                       ("Memcpy DtoD (Device -> Device)", "copies and casts"),
+                       ("void at::native::vectorized_elementwise_kernel<4, silu_kernel>", "PyTorch elementwise and "
+                        "reductions"),
+                       ("_rms_norm_bwd_kernel", "ttr norm")):
+        assert kernel_kind(name, kinds) == kind, name
+    rows = step_breakdown([("gemm_a", 2, 6.0), ("_rms_norm_fwd_kernel", 4, 1.0), ("gemm_b", 1, 2.0)], 10.0, kinds)
+    assert rows == [("matmul", 8.0, 0.8), ("ttr norm", 1.0, 0.1), ("no kernel running", 1.0, 0.1)]
+
+
+def test_bench_model_profile_on_cpu(tmp_path, capsys):
+    """``--profile`` adds each row's profiled step (on a CPU: no CUDA kernels, only the step's time)
+    and its table; the trainer loop refuses it by name."""
+    out = tmp_path / "m.json"
+    assert bench_model.main(["--device", "cpu", "--presets", "gla-debug", "--no-references", "--batch", "1",
+                             "--seq-len", "16", "--steps", "1", "--warmup", "0", "--profile",
+                             "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    prof = row["profile"]
+    assert prof["step_ms"] > 0 and prof["kinds"][-1][0] == "no kernel running"
+    assert "gla-debug, ttr TTRForCausalLM: one profiled step" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--device", "cpu", "--profile", "--loop", "trainer"])
+    assert "--profile: profiles the plain loop only" in capsys.readouterr().err
