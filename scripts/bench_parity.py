@@ -165,22 +165,26 @@ def ttr_config(family: str, size: str, vocab_size: int):
     return get_preset(f"{family}-{size}", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
-# The chunkwise op each fla family's layer calls: (ttr layer module, the name it calls, fla's op).
+# The chunkwise op each fla family's layer calls: (ttr layer module, the name it calls, fla's op,
+# the keyword arguments fla's layer adds: GLA's keeps its state transposed, [V, K]).
 FLA_OPS = {
-    "gated_deltanet": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule"),
-    "gated_deltanet_h1": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule"),
-    "delta_net": ("delta_net", "chunk_delta_rule", "fla.ops.delta_rule"),
-    "gla": ("gla", "chunk_gla", "fla.ops.gla"),
+    "gated_deltanet": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule", {}),
+    "gated_deltanet_h1": ("gated_deltanet", "chunk_gated_delta_rule", "fla.ops.gated_delta_rule", {}),
+    "delta_net": ("delta_net", "chunk_delta_rule", "fla.ops.delta_rule", {}),
+    "gla": ("gla", "chunk_gla", "fla.ops.gla", {"state_v_first": True}),
 }
 
 
 def layer_op(family: str):
-    """``(layer module, name, ttr's op, fla's op)`` of an fla family's chunkwise mixer op."""
+    """``(layer module, name, ttr's op, fla's op)`` of an fla family's chunkwise mixer op, fla's
+    called as its layer calls it."""
+    import functools
     import importlib
 
-    module_name, name, fla_module = FLA_OPS[family]
+    module_name, name, fla_module, fla_kwargs = FLA_OPS[family]
     module = importlib.import_module(f"ttr.models.layers.{module_name}")
-    return module, name, getattr(module, name), getattr(importlib.import_module(fla_module), name)
+    fla_op = getattr(importlib.import_module(fla_module), name)
+    return module, name, getattr(module, name), functools.partial(fla_op, **fla_kwargs) if fla_kwargs else fla_op
 
 
 # Families whose fla layer L2-normalises q and k inside the chunkwise op (use_qk_l2norm_in_kernel).
@@ -236,7 +240,7 @@ IMPLS = {
 }
 
 
-def ttr_from_reference(config, seed: int, device: str = "cuda"):
+def ttr_from_reference(config, seed: int, device: str = "cuda", attn_mode: str | None = None):
     """ttr's model holding the weights of the reference initialised with ``seed`` (through ``ttr
     convert``), in fp32 on ``device``, and the reference itself."""
     import tempfile
@@ -245,7 +249,7 @@ def ttr_from_reference(config, seed: int, device: str = "cuda"):
 
     from ttr.models.convert import convert_checkpoint
 
-    ref = build("reference", config, seed, device)
+    ref = build("reference", config, seed, device, attn_mode)
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(f"{tmp}/ref")
         convert_checkpoint(f"{tmp}/ref", f"{tmp}/ttr")
@@ -254,7 +258,7 @@ def ttr_from_reference(config, seed: int, device: str = "cuda"):
 
 
 @torch.no_grad()
-def reference_from_ttr(config, seed: int, device: str = "cuda"):
+def reference_from_ttr(config, seed: int, device: str = "cuda", attn_mode: str | None = None):
     """The reference model holding ttr's initial weights drawn with ``seed``: ``ttr convert``'s map
     read backwards (a renaming, plus the depthwise convs' ``[C, 1, W]`` view)."""
     from transformers import AutoModelForCausalLM
@@ -264,7 +268,7 @@ def reference_from_ttr(config, seed: int, device: str = "cuda"):
 
     torch.manual_seed(seed)
     mine = AutoModelForCausalLM.from_config(config).state_dict()
-    ref = build_reference(config)
+    ref = build_reference(config, attn_mode)
     for key, value in ref.state_dict().items():
         if not key.endswith("rotary.inv_freq"):
             (name,) = convert_state_dict(ref.config.model_type, {key: value})
@@ -272,51 +276,69 @@ def reference_from_ttr(config, seed: int, device: str = "cuda"):
     return ref.to(device)
 
 
-def build(impl: str, config, seed: int, device: str = "cuda"):
+def build(impl: str, config, seed: int, device: str = "cuda", attn_mode: str | None = None):
+    """``impl``'s model of ``config`` (``IMPLS``), its weights drawn with ``seed``; ``attn_mode``
+    picks an fla reference's kernels (``reference_models.reference_config``)."""
     from transformers import AutoModelForCausalLM
 
     from ttr.scripts.reference_models import build_reference, check_same_shape
 
     if impl == "ttr_refinit":
-        return ttr_from_reference(config, seed, device)[0]
+        return ttr_from_reference(config, seed, device, attn_mode)[0]
     if impl == "reference_ttrinit":
-        return reference_from_ttr(config, seed, device)
+        return reference_from_ttr(config, seed, device, attn_mode)
     torch.manual_seed(seed)
     if impl in ("ttr", "swap", "swap_l2"):
         if impl != "ttr":
             swap_in_reference_kernels(config, l2_in_kernel=impl == "swap_l2")
         model = AutoModelForCausalLM.from_config(config)
     else:
-        model = build_reference(config)
+        model = build_reference(config, attn_mode)
         check_same_shape(config, model)
     return model.to(device)
 
 
-def grad_check(config, batch: torch.Tensor) -> dict:
+def grad_check(config, batch: torch.Tensor, attn_mode: str | None = None, device: str = "cuda") -> dict:
     """Loss and gradients of the reference and of ttr on the reference's initial weights, under
-    the training run's bf16 autocast (so the kernels checked are the ones that train)."""
+    the training run's bf16 autocast (so the kernels checked are the ones that train), and each
+    model once more in fp32: ttr's fp32 gradients are the baseline that says whether a bf16
+    difference between the two is an error of one of them or the bf16 rounding of both, amplified
+    by the model at its initial weights (then ttr's own bf16 gradients are as far from fp32)."""
     from ttr.models.convert import convert_state_dict
 
-    mine, ref = ttr_from_reference(config, seed=1234)
-    x = batch.cuda()
-    losses, grads = [], []
-    for model in (ref, mine):
+    mine, ref = ttr_from_reference(config, seed=1234, device=device, attn_mode=attn_mode)
+    x = batch.to(device)
+
+    def loss_and_grads(model, autocast: bool, model_type: str | None = None):
+        """Its loss and gradients, by ttr's names (the reference's renamed from ``model_type``'s)."""
         model.train()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
-    ref_grads = convert_state_dict(ref.config.model_type, grads[0])
-    names = [n for n in grads[1] if n in ref_grads]
-    errors = {n: ((ref_grads[n] - grads[1][n]).norm() / grads[1][n].norm().clamp_min(1e-30)).item() for n in names}
-    diff = torch.sqrt(sum((ref_grads[n] - grads[1][n]).square().sum() for n in names))
-    total = torch.sqrt(sum(grads[1][n].square().sum() for n in names))
-    worst = max(errors, key=errors.get)
-    result = {"loss_reference": losses[0], "loss_ttr": losses[1], "grad_rel_err_all": (diff / total).item(),
-              "grad_rel_err_max": errors[worst], "grad_worst": worst}
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.item(), convert_state_dict(model_type, grads) if model_type else grads
+
+    ref_type = ref.config.model_type
+    (loss_ref, ref_bf16), (loss_ttr, ttr_bf16) = loss_and_grads(ref, True, ref_type), loss_and_grads(mine, True)
+    (_, ref_fp32), (_, ttr_fp32) = loss_and_grads(ref, False, ref_type), loss_and_grads(mine, False)
+    names = [n for n in ttr_bf16 if n in ref_bf16]
+
+    def rel(a: dict, b: dict) -> tuple[float, float, str]:
+        """(error over all tensors, worst tensor's error, its name) of ``a`` against ``b``."""
+        errors = {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in names}
+        diff = torch.sqrt(sum((a[n] - b[n]).square().sum() for n in names))
+        total = torch.sqrt(sum(b[n].square().sum() for n in names))
+        worst = max(errors, key=errors.get)
+        return (diff / total).item(), errors[worst], worst
+
+    result = {"loss_reference": loss_ref, "loss_ttr": loss_ttr}
+    result["grad_rel_err_all"], result["grad_rel_err_max"], result["grad_worst"] = rel(ref_bf16, ttr_bf16)
+    for key, grads in (("reference_bf16", ref_bf16), ("ttr_bf16", ttr_bf16), ("reference_fp32", ref_fp32)):
+        result[f"{key}_vs_ttr_fp32"] = rel(grads, ttr_fp32)[0]
     del ref, mine
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return result
 
 
@@ -417,14 +439,17 @@ def run_one(family: str, impl: str, args, train_tokens, val, vocab_size: int, pa
     config = ttr_config(family, args.size, vocab_size)
     result = {"family": family, "impl": impl, "label": run_label(impl, args), "init_seed": init_seed(args),
               "size": args.size, "steps": args.steps, "batch": args.batch,
-              "seq_len": args.seq_len, "reference": REFERENCE_NAMES[family]}
+              "seq_len": args.seq_len, "reference": REFERENCE_NAMES[family]
+              + (f" ({args.reference_mode} kernels)" if args.reference_mode else "")}
     if impl == "reference" and not args.skip_grad_check:
-        check = grad_check(config, torch.from_numpy(train_tokens[0][:2]).long())
+        check = grad_check(config, torch.from_numpy(train_tokens[0][:2]).long(), args.reference_mode)
         result["grad_check"] = check
         print(f"{family}: bf16 gradient check vs reference: loss {check['loss_reference']:.5f} / "
               f"{check['loss_ttr']:.5f}, gradient rel. error {check['grad_rel_err_all']:.2e} (worst tensor "
-              f"{check['grad_rel_err_max']:.2e}, {check['grad_worst']})", flush=True)
-    model = build(impl, config, init_seed(args))
+              f"{check['grad_rel_err_max']:.2e}, {check['grad_worst']}); against ttr's fp32 gradients: reference "
+              f"bf16 {check['reference_bf16_vs_ttr_fp32']:.2e}, ttr bf16 {check['ttr_bf16_vs_ttr_fp32']:.2e}, "
+              f"reference fp32 {check['reference_fp32_vs_ttr_fp32']:.2e}", flush=True)
+    model = build(impl, config, init_seed(args), attn_mode=args.reference_mode if "reference" in impl else None)
     params = sum(p.numel() for p in model.parameters())
     print(f"{family} / {impl}: {params:,} parameters", flush=True)
     result["params"] = params
@@ -525,6 +550,8 @@ def report(paths: list[str], plot: str | None) -> str:
             run.update(run["partial"], final_val=None)
         entry = results.setdefault(run["family"], {"family": run["family"], "size": run["size"],
                                                     "reference": run["reference"], "runs": {}})
+        if run["impl"] == "reference":  # it names the reference's kernels where they were chosen
+            entry["reference"] = run["reference"]
         # the file's name: a repeat of a run is saved as <family>.<label>.repeatN.json
         prefix = f"{run['family']}."
         label = f.stem[len(prefix):] if f.stem.startswith(prefix) else run.get("label", run["impl"])
@@ -625,10 +652,14 @@ def report(paths: list[str], plot: str | None) -> str:
     checks = [(r["family"], r["grad_check"]) for r in results if "grad_check" in r]
     if checks:
         lines += ["", "| family | loss, reference / ttr (same weights, bf16 autocast) | gradient rel. error, "
-                  "all / worst tensor |", "|---|---|---|"]
+                  "all / worst tensor | against ttr's fp32 gradients: reference bf16 / ttr bf16 / reference fp32 |",
+                  "|---|---|---|---|"]
+        nan = float("nan")
         lines += [f"| {f} | {c['loss_reference']:.5f} / {c['loss_ttr']:.5f} | "
-                  f"{c.get('grad_rel_err_all', float('nan')):.1e} / {c['grad_rel_err_max']:.1e} "
-                  f"(`{c['grad_worst']}`) |" for f, c in checks]
+                  f"{c.get('grad_rel_err_all', nan):.1e} / {c['grad_rel_err_max']:.1e} (`{c['grad_worst']}`) | "
+                  + " / ".join(f"{c.get(k + '_vs_ttr_fp32', nan):.1e}" for k in ("reference_bf16", "ttr_bf16",
+                                                                             "reference_fp32")) + " |"
+                  for f, c in checks]
     if plot and results:
         import matplotlib
 
@@ -683,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-seed", type=int, help="draw the initial weights with this seed (the data order stays "
                         "--seed's): repeat runs that measure how much the draw of the weights moves the loss")
     parser.add_argument("--skip-grad-check", action="store_true")
+    parser.add_argument("--reference-mode", choices=("chunk", "fused_recurrent"),
+                        help="the kernels of fla's reference layers (its attn_mode; default: fla's, chunk): "
+                             "fused_recurrent where the chunk backward is wrong (GLA on Hopper)")
     parser.add_argument("--data-cache", help="an .npz to read the encoded batches from (written when missing)")
     parser.add_argument("--prepare-only", action="store_true", help="only encode the data (into --data-cache)")
     parser.add_argument("--op-errors", type=int, metavar="STEPS",
@@ -709,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--op-errors must be in [0, --steps), got {args.op_errors}")
         if not set(families) <= set(FLA_OPS):
             parser.error(f"--op-errors measures the fla families {sorted(FLA_OPS)}; got --families {args.families}")
+    fla_families = set(FLA_OPS)
+    if args.reference_mode and not set(families) <= fla_families:
+        parser.error(f"--reference-mode picks fla's kernels: the fla families {sorted(fla_families)}; got --families "
+                     f"{args.families}")
     if not torch.cuda.is_available() and not args.prepare_only:
         parser.error("needs a CUDA GPU")
     for name in ("steps", "batch", "seq_len", "val_every", "val_batches", "warmup"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ttr.scripts import bench_parity
 
@@ -18,6 +19,8 @@ from ttr.scripts import bench_parity
         (["--op-errors", "-1"], "--op-errors must be in"),
         (["--op-errors", "10", "--families", "mamba2"], "--op-errors measures the fla families"),
         (["--impls", "swap_l2", "--families", "gla"], "--impls swap_l2 runs the delta rules"),
+        (["--reference-mode", "fused_recurrent", "--families", "mamba2"], "--reference-mode picks fla's kernels"),
+        (["--reference-mode", "scan"], "--reference-mode"),
     ],
 )
 def test_arguments_are_checked_by_name(argv, message, capsys):
@@ -32,11 +35,15 @@ def test_swap_table_names_the_op_each_layer_calls(family, monkeypatch):
     swap run and the op-error probe replace exactly the op that trains."""
     pytest.importorskip("fla")
     module, name, ttr_op, fla_op = bench_parity.layer_op(family)
-    assert ttr_op.__module__.startswith("ttr.kernels.") and fla_op.__module__.startswith("fla.")
+    assert ttr_op.__module__.startswith("ttr.kernels.") and getattr(fla_op, "func", fla_op).__module__.startswith("fla.")
+    # called with the arguments fla's own layer adds (GLA's keeps its state as [V, K])
+    assert getattr(fla_op, "keywords", {}) == ({"state_v_first": True} if family == "gla" else {})
     config = bench_parity.ttr_config(family, "340m", 8192)
     monkeypatch.setattr(module, name, ttr_op)  # restored after the test
     bench_parity.swap_in_reference_kernels(config)
-    assert getattr(module, name) is fla_op
+    swapped = getattr(module, name)
+    assert getattr(swapped, "func", swapped) is getattr(fla_op, "func", fla_op)
+    assert getattr(swapped, "keywords", {}) == getattr(fla_op, "keywords", {})
 
 
 @pytest.mark.parametrize("family", bench_parity.L2_IN_KERNEL)
@@ -200,3 +207,29 @@ def test_reference_from_ttr_holds_ttrs_draw():
         ids = torch.randint(0, 128, (2, 24))
         with torch.no_grad():
             assert (mine(ids).logits - ref(ids).logits).abs().max() < 1e-4, name
+
+
+def test_reference_mode_reaches_flas_layers():
+    """``attn_mode`` builds fla's layers on the chosen kernels; a reference that is no fla model
+    refuses it by name."""
+    pytest.importorskip("fla")
+    from ttr.scripts.reference_models import reference_config
+
+    config = bench_parity.ttr_config("gla", "340m", 8192)
+    assert reference_config(config).attn_mode == "chunk"
+    assert reference_config(config, "fused_recurrent").attn_mode == "fused_recurrent"
+    with pytest.raises(ValueError, match="attn_mode: mamba2"):
+        reference_config(bench_parity.ttr_config("mamba2", "340m", 8192), "fused_recurrent")
+
+
+def test_grad_check_separates_errors_from_bf16_rounding():
+    """On the same weights HF Llama and ttr's transformer agree in fp32 to float rounding; the bf16
+    rows are reported against ttr's fp32 gradients, each side's own."""
+    config = bench_parity.ttr_config("transformer", "debug", 512)
+    batch = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    check = bench_parity.grad_check(config, batch, device="cpu")
+    assert abs(check["loss_reference"] - check["loss_ttr"]) < 2e-2
+    assert check["reference_fp32_vs_ttr_fp32"] < 1e-4
+    for key in ("reference_bf16_vs_ttr_fp32", "ttr_bf16_vs_ttr_fp32", "grad_rel_err_all"):
+        assert 0 < check[key] < 0.1, key
+    assert check["grad_rel_err_max"] >= check["grad_rel_err_all"] and check["grad_worst"].startswith("model.")
