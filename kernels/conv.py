@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import prepare_packing, segments
+from ttr.kernels.common.index import prepare_packing, segments, tuned
 from ttr.kernels.utils import (
     check_cu_seqlens,
     check_dtype,
@@ -289,11 +289,16 @@ def _conv_update_kernel(
     tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
 
 
-def _blocks(t: int, d: int, backward: bool) -> tuple[int, int]:
-    """(BT, BD). The backward keeps ~6 live [BT, BD] fp32 blocks, so it takes half the tokens."""
+def _launch(stage: str, t: int, d: int) -> dict:
+    """Launch parameters of ``conv_fwd`` (also the backward's first pass) and of the backward's
+    main pass, ``conv_bwd`` (``index.tuned``): BT tokens by BD channels per block. The forward's
+    are the fastest of ``bench_fused --sweep`` on an H200; the backward keeps ~6 live [BT, BD]
+    fp32 blocks, so it takes half the tokens."""
     if interpreter_active():
-        return min(64, triton.next_power_of_2(max(t, 1))), min(64, triton.next_power_of_2(d))
-    return (32 if backward else 64), min(128, triton.next_power_of_2(d))
+        return tuned(stage, BT=min(64, triton.next_power_of_2(max(t, 1))), BD=min(64, triton.next_power_of_2(d)))
+    if stage == "conv_bwd":
+        return tuned(stage, BT=32, BD=min(128, triton.next_power_of_2(d)), num_warps=4)
+    return tuned(stage, BT=16, BD=min(256, triton.next_power_of_2(d)), num_warps=4)
 
 
 def _varlen_meta(packing):
@@ -314,14 +319,14 @@ def conv_fwd(x, weight, bias, init, activation, packing):
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    bt, bd = _blocks(t, d, backward=False)
-    grid = (triton.cdiv(t, bt), triton.cdiv(d, bd), b)
+    cfg = _launch("conv_fwd", t, d)
+    grid = (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
             seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
-            SILU=activation == "silu", BT=bt, BD=bd, num_warps=4,
+            SILU=activation == "silu", **cfg,
         )  # fmt: skip
     return y
 
@@ -336,28 +341,28 @@ def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
         # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
         # shifts instead of recomputing the pre-activation (and its sigmoid) at every shift
         da = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        bt1, bd1 = _blocks(t, d, backward=False)
-        _conv_fwd_kernel[(triton.cdiv(t, bt1), triton.cdiv(d, bd1), b)](
+        cfg = _launch("conv_fwd", t, d)
+        _conv_fwd_kernel[(triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
             seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
-            SILU=True, BT=bt1, BD=bd1, dy=dy, GRAD=True, num_warps=4,
+            SILU=True, dy=dy, GRAD=True, **cfg,
         )  # fmt: skip
         dy = da
-    bt, bd = _blocks(t, d, backward=True)
-    nt = triton.cdiv(t, bt)
+    cfg = _launch("conv_bwd", t, d)
+    nt = triton.cdiv(t, cfg["BT"])
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)
     db = torch.zeros(b * nt, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
     if t:
-        _conv_bwd_kernel[(nt, triton.cdiv(d, bd), b)](
+        _conv_bwd_kernel[(nt, triton.cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
             cu if cu is not None else x, t, d, x.stride(0), x.stride(1), nt,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
-            IS_VARLEN=cu is not None, BT=bt, BD=bd, num_warps=4,
+            IS_VARLEN=cu is not None, **cfg,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
         dinit += _dfinal_to_init(dfinal.float(), packing, t, w)

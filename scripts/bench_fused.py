@@ -7,11 +7,15 @@ the inputs):
          Targets: fused peak <= 1/4 of unfused, fused time <= 1.2x unfused (the fusion is worth
          its code only if it saves most of the memory at little cost in time).
   conv   ttr causal_conv1d (Triton) vs its torch backend and depthwise ``F.conv1d``; W = 4, SiLU,
-         B = 4, T = tokens / 4, D = 2 * hidden (the q/k/v short convs of a 1.3B Gated DeltaNet).
+         B = 4, T = tokens / 4, D = 2 * hidden (the q/k/v short convs of a 1.3B Gated DeltaNet);
+         ``--sweep`` also times the forward and the backward alone at the launch parameters of
+         ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd``, which the backward's first pass shares,
+         and ``conv_bwd``, its main pass), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend.
 
     python -m ttr.scripts.bench_fused
     python -m ttr.scripts.bench_fused --only loss --chunk-size 2048 --reps 10
+    python -m ttr.scripts.bench_fused --only conv --sweep
 """
 
 from __future__ import annotations
@@ -23,13 +27,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ttr.kernels.conv import causal_conv1d
+from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
 from ttr.kernels.norm import gated_rms_norm, rms_norm
 from ttr.kernels.utils import backend_override
-from ttr.scripts.bench_utils import peak_mib, time_ms
+from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
 
 SECTIONS = ("loss", "conv", "norm")
+CONV_SWEEP = {
+    "conv_fwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 256), (32, 128), (32, 256), (64, 64),
+                 (64, 128), (128, 64), (128, 128)) for nw in (2, 4, 8)],
+    "conv_bwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 128), (16, 256), (32, 64), (32, 128),
+                 (64, 64), (64, 128)) for nw in (2, 4, 8)],
+}
 DEVICE = "cuda"
 
 
@@ -43,6 +53,7 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="conv: also time the kernels at CONV_SWEEP's launches")
     return p.parse_args(argv)
 
 
@@ -134,6 +145,11 @@ def bench_conv(args, dtype):
         return F.silu(y[..., :t]).transpose(1, 2)
 
     row("F.conv1d depthwise + silu", *measure(depthwise, inputs, args.reps, args.warmup, with_peak=True))
+    if args.sweep:
+        dy = torch.randn_like(x)
+        calls = {"conv_fwd": lambda: conv_fwd(x, weight, bias, None, "silu", None),
+                 "conv_bwd": lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", None)}
+        time_stages(calls, f"conv B={b} T={t} D={d}", CONV_SWEEP)
 
 
 def bench_norm_shape(args, dtype, shape):
