@@ -715,8 +715,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--seed's): repeat runs that measure how much the draw of the weights moves the loss")
     parser.add_argument("--skip-grad-check", action="store_true")
     parser.add_argument("--reference-mode", choices=("chunk", "fused_recurrent"),
-                        help="the kernels of fla's reference layers (its attn_mode; default: fla's, chunk): "
-                             "fused_recurrent where the chunk backward is wrong (GLA on Hopper)")
+                        help="the kernels of fla's reference layers (its attn_mode; default: fla's, chunk); "
+                             "fused_recurrent trains the reference on its recurrent kernels, a second opinion on "
+                             "the chunk ones")
     parser.add_argument("--data-cache", help="an .npz to read the encoded batches from (written when missing)")
     parser.add_argument("--prepare-only", action="store_true", help="only encode the data (into --data-cache)")
     parser.add_argument("--op-errors", type=int, metavar="STEPS",
