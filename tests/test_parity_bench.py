@@ -71,16 +71,25 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert bench_parity.lr_at(999, args) == pytest.approx(1e-4, rel=1e-3)
 
 
-def test_report_compares_at_the_last_common_step_and_skips_probe_files(tmp_path):
+def test_report_compares_at_the_last_common_step_and_tables_the_op_errors(tmp_path):
     def run(impl, vals):
         return {"family": "gla", "impl": impl, "size": "340m", "reference": "fla 0.6.0 GLAForCausalLM",
                 "partial": {"losses": [1.0], "val": vals}}
 
     (tmp_path / "gla.ttr.json").write_text(json.dumps(run("ttr", [[100, 5.0], [200, 4.04], [300, 3.9]])))
     (tmp_path / "gla.reference.json").write_text(json.dumps(run("reference", [[100, 5.1], [200, 4.0]])))
-    (tmp_path / "gla.operrors.json").write_text(json.dumps({"family": "gla", "rows": []}))
+    err = lambda e: {"rel_err": e, "projection": 1.0}  # noqa: E731
+    probe = {"family": "gla", "steps_trained": 100, "outputs": ["o", "dk"],
+             "rows": [{"call": 0, "ttr": {"o": err(1.8e-3), "dk": err(1.9e-3)},
+                       "reference": {"o": err(1.7e-3), "dk": err(2.0e-3)}}]}
+    (tmp_path / "gla.operrors.json").write_text(json.dumps(probe))
+    (tmp_path / "delta_net.operrors.json").write_text(json.dumps({"family": "delta_net", "rows": []}))
     table = bench_parity.report([str(tmp_path)], None)
     assert "| gla | fla 0.6.0 GLAForCausalLM | 4.0400 | 4.0000 | 1.0100 at step 200 (meets <= 1.01) |  |  |" in table
+    # the op-error probe is a table of its own, not a run; an empty one is left out
+    assert "gla: the chunkwise op on the inputs of ttr's model trained 100 steps" in table
+    assert "| layer call | o | dk |" in table and "| 0 | 1.8e-03 / 1.7e-03 | 1.9e-03 / 2.0e-03 |" in table
+    assert "delta_net:" not in table
 
 
 def test_op_errors_runs_its_steps_on_cpu(monkeypatch):
