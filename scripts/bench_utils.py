@@ -59,8 +59,9 @@ def kernel_times(prof, calls: int = 1) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: -k[2])
 
 
-# Triton kernels by the module that defines them (ttr.kernels.*, fla.*): the first pattern the
-# module's name matches; the rest of those modules are the sequence mixers' chunkwise ops.
+# Triton kernels by the module that defines them (ttr.kernels.*, and the references' fla.* and
+# mamba_ssm.*): the first pattern the module's name matches; the rest of those modules are the
+# sequence mixers' chunkwise ops.
 TRITON_KINDS = (("norm", "norm"), ("conv", "short conv"), ("cross_entropy|loss", "loss"),
                 ("swiglu|activation", "MLP activation"), ("attention|attn", "attention"))
 # Other kernels by their own name (cuBLAS, PyTorch's ATen kernels, SDPA's flash kernels).
@@ -69,7 +70,7 @@ KERNEL_KINDS = (("gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk", "matmul"), ("fla
                 ("", "PyTorch elementwise and reductions"))
 
 
-def triton_kernel_kinds(prefixes=("ttr.kernels", "fla.")) -> dict[str, str]:
+def triton_kernel_kinds(prefixes=("ttr.kernels", "fla.", "mamba_ssm.")) -> dict[str, str]:
     """The Triton kernels of the loaded modules under ``prefixes``, by name: ``{name: kind}``,
     the kind from ``TRITON_KINDS`` ("mixer op" where no pattern matches), prefixed by its library."""
     kinds = {}
