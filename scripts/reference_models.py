@@ -51,12 +51,9 @@ def _attention_spec(config) -> dict | None:
     )
 
 
-def reference_config(config, attn_mode: str | None = None):
-    """The reference model's config at ``config``'s shape; ``attn_mode`` picks an fla layer's
-    kernels (``"chunk"``, its default, or ``"fused_recurrent"``)."""
+def reference_config(config):
+    """The reference model's config at ``config``'s shape."""
     family = family_of(config)
-    if attn_mode is not None and family not in FLA_FAMILIES | {"gated_deltanet_h1"}:
-        raise ValueError(f"attn_mode: {family}'s reference is no fla model")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers, tie_word_embeddings=config.tie_word_embeddings,
@@ -91,7 +88,7 @@ def reference_config(config, attn_mode: str | None = None):
 
     fla_common = dict(
         common, intermediate_size=config.intermediate_size, norm_eps=config.rms_norm_eps,
-        attn=_attention_spec(config), fuse_cross_entropy=False, attn_mode=attn_mode or "chunk",
+        attn=_attention_spec(config), fuse_cross_entropy=False,
     )
     key_dim = config.num_heads * config.head_dim
     if family in ("gated_deltanet", "gated_deltanet_h1"):
@@ -113,9 +110,8 @@ def reference_config(config, attn_mode: str | None = None):
     )
 
 
-def build_reference(config, attn_mode: str | None = None):
-    """The reference ``*ForCausalLM`` at ``config``'s shape, with its own default initialisation
-    (``attn_mode``: as in ``reference_config``)."""
+def build_reference(config):
+    """The reference ``*ForCausalLM`` at ``config``'s shape, with its own default initialisation."""
     from transformers import AutoModelForCausalLM
 
     family = family_of(config)
@@ -123,7 +119,7 @@ def build_reference(config, attn_mode: str | None = None):
         install_flash_attn_shim()
     if family == "mamba2":
         use_mamba_ssm_scan()
-    ref_config = reference_config(config, attn_mode)
+    ref_config = reference_config(config)
     if family == "transformer":
         ref_config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(ref_config)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ttr.scripts import bench_parity
+from ttr.scripts import bench_parity, parity_report
 
 
 @pytest.mark.parametrize(
@@ -19,8 +19,6 @@ from ttr.scripts import bench_parity
         (["--op-errors", "-1"], "--op-errors must be in"),
         (["--op-errors", "10", "--families", "mamba2"], "--op-errors measures the fla families"),
         (["--impls", "swap_l2", "--families", "gla"], "--impls swap_l2 runs the delta rules"),
-        (["--reference-mode", "fused_recurrent", "--families", "mamba2"], "--reference-mode picks fla's kernels"),
-        (["--reference-mode", "scan"], "--reference-mode"),
     ],
 )
 def test_arguments_are_checked_by_name(argv, message, capsys):
@@ -84,7 +82,7 @@ def test_report_compares_at_the_last_common_step_and_tables_the_op_errors(tmp_pa
                        "reference": {"o": err(1.7e-3), "dk": err(2.0e-3)}}]}
     (tmp_path / "gla.operrors.json").write_text(json.dumps(probe))
     (tmp_path / "delta_net.operrors.json").write_text(json.dumps({"family": "delta_net", "rows": []}))
-    table = bench_parity.report([str(tmp_path)], None)
+    table = parity_report.report([str(tmp_path)], None)
     assert "| gla | fla 0.6.0 GLAForCausalLM | 4.0400 | 4.0000 | 1.0100 at step 200 (meets <= 1.01) |  |  |" in table
     # the op-error probe is a table of its own, not a run; an empty one is left out
     assert "gla: the chunkwise op on the inputs of ttr's model trained 100 steps" in table
@@ -132,13 +130,13 @@ def test_report_lists_the_other_runs_against_the_reference(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(run("ttr", [[100, 4.2], [200, 3.6]])))
     (tmp_path / "b.json").write_text(json.dumps(run("reference", [[100, 4.0], [200, 3.5]])))
     (tmp_path / "c.json").write_text(json.dumps(run("ttr_refinit", [[100, 4.04]])))
-    table = bench_parity.report([str(tmp_path)], None)
+    table = parity_report.report([str(tmp_path)], None)
     assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.6000 | 3.5000 | 1.0286 at step 200 (**misses** <= 1.01) | "
             "1.0100 | 1.0100 at step 100 (meets <= 1.01; 1 pair) |") in table
     assert "| delta_net | ttr_refinit | 4.0400 | 100 | 1.0100 |" in table
     # a second draw of ttr's weights: the ratio compares the means of the draws, with a standard error
     (tmp_path / "d.json").write_text(json.dumps(run("ttr", [[100, 4.1], [200, 3.466]], label="ttr.init1", seed=1)))
-    table = bench_parity.report([str(tmp_path)], None)
+    table = parity_report.report([str(tmp_path)], None)
     assert ("| delta_net | fla 0.6.0 DeltaNetForCausalLM | 3.5330 (mean of 2 draws: 3.6000, 3.4660) | 3.5000 | "
             "1.0094 ± 0.0191 at step 200 (meets <= 1.01) |") in table
     assert "| delta_net | ttr.init1 | 3.4660 | 200 | 0.9903 |" in table
@@ -146,7 +144,7 @@ def test_report_lists_the_other_runs_against_the_reference(tmp_path):
     # draw; the reference from ttr's second draw pairs with ttr's run of it
     (tmp_path / "delta_net.reference.repeat1.json").write_text(json.dumps(run("reference", [[100, 4.0], [200, 3.3]])))
     (tmp_path / "e.json").write_text(json.dumps(run("reference_ttrinit", [[100, 4.0], [200, 3.4]], "x", seed=1)))
-    table = bench_parity.report([str(tmp_path)], None)
+    table = parity_report.report([str(tmp_path)], None)
     assert "| 3.4000 (mean of 1 draw: 3.4000 (2 runs)) | 1.0391 ± 0.0197 at step 200" in table
     assert "| 1.0100, 1.0250 | 1.0175 ± 0.0075 at step 100 (**misses** <= 1.01; 2 pairs) |" in table
     assert "| delta_net | reference.repeat1 | 3.3000 | 200 | 0.9706 |" in table
@@ -216,19 +214,6 @@ def test_reference_from_ttr_holds_ttrs_draw():
         ids = torch.randint(0, 128, (2, 24))
         with torch.no_grad():
             assert (mine(ids).logits - ref(ids).logits).abs().max() < 1e-4, name
-
-
-def test_reference_mode_reaches_flas_layers():
-    """``attn_mode`` builds fla's layers on the chosen kernels; a reference that is no fla model
-    refuses it by name."""
-    pytest.importorskip("fla")
-    from ttr.scripts.reference_models import reference_config
-
-    config = bench_parity.ttr_config("gla", "340m", 8192)
-    assert reference_config(config).attn_mode == "chunk"
-    assert reference_config(config, "fused_recurrent").attn_mode == "fused_recurrent"
-    with pytest.raises(ValueError, match="attn_mode: mamba2"):
-        reference_config(bench_parity.ttr_config("mamba2", "340m", 8192), "fused_recurrent")
 
 
 def test_grad_check_separates_errors_from_bf16_rounding():
