@@ -56,11 +56,12 @@ def _num_warps(elements: int) -> int:
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x, z, w, y, rstd, R, D, s_z, eps,
-    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    x, z, r, s, w, y, rstd, R, D, s_z, eps,
+    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, HAS_RES: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
-    """Rows of ``G * D`` elements (x, y contiguous; z's rows ``s_z`` apart), group ``program_id(1)``
-    of D elements; ``rstd`` is ``[R, G]``."""
+    """Rows of ``G * D`` elements (x, r, s, y contiguous; z's rows ``s_z`` apart), group
+    ``program_id(1)`` of D elements; ``rstd`` is ``[R, G]``. With ``HAS_RES`` the normalised input
+    is ``s = x + r``, stored in s's dtype and normalised as stored (what an add then a norm give)."""
     i_p, i_g, G = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     o_r = i_p * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
@@ -68,6 +69,10 @@ def _rms_norm_fwd_kernel(
     m_rd = m_r[:, None] & m_d[None, :]
     o_rd = o_r.to(tl.int64)[:, None] * (G * D) + i_g * D + o_d[None, :]  # [BR, BD]
     b_x = tl.load(x + o_rd, mask=m_rd, other=0.0).to(tl.float32)
+    if HAS_RES:
+        b_s = (b_x + tl.load(r + o_rd, mask=m_rd, other=0.0).to(tl.float32)).to(s.dtype.element_ty)
+        tl.store(s + o_rd, b_s, mask=m_rd)
+        b_x = b_s.to(tl.float32)
     if HAS_Z:
         o_z = o_r.to(tl.int64)[:, None] * s_z + i_g * D + o_d[None, :]
         b_z = tl.load(z + o_z, mask=m_rd, other=0.0).to(tl.float32)
@@ -85,11 +90,14 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, dx, dz, dw, R, D, s_z,
-    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    x, z, w, dy, rstd, ds, dx, dr, dz, dw, R, D, s_z,
+    HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, HAS_DS: tl.constexpr, HAS_DR: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr,
 ):
     """Program (i_p, i_g) handles group i_g of row blocks i_p, i_p + P, ... (P programs on axis 0)
-    and writes one dw partial of that group."""
+    and writes one dw partial of that group. ``HAS_DS`` adds the gradient ``ds`` that the
+    normalised input gets from elsewhere (the residual stream) to dx; ``HAS_DR`` also stores dx in
+    ``dr``'s dtype (the gradient of a lower-precision residual branch)."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     i_g, G = tl.program_id(1), tl.num_programs(1)
     o_d = tl.arange(0, BD)
@@ -124,7 +132,11 @@ def _rms_norm_bwd_kernel(
         if HAS_Z and GATE_FIRST:
             tl.store(dz + o_rd, (b_du * b_x * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
             b_du = b_du * b_gate
+        if HAS_DS:
+            b_du += tl.load(ds + o_rd, mask=m_rd, other=0.0).to(tl.float32)
         tl.store(dx + o_rd, b_du.to(dx.dtype.element_ty), mask=m_rd)
+        if HAS_DR:
+            tl.store(dr + o_rd, b_du.to(dr.dtype.element_ty), mask=m_rd)
     tl.store(dw + i_p * G * D + i_g * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
@@ -134,36 +146,44 @@ def _bwd_programs(blocks: int, device: torch.device) -> int:
     return max(1, min(blocks, 4))
 
 
-def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1):
+def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1, r2=None):
+    """y and rstd; with ``r2`` (a residual branch) the norm is of ``s = x2 + r2``, returned third."""
     rows, d = x2.shape[0], x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
     br = _block_rows(bd)
     y = torch.empty_like(x2, dtype=out_dtype or x2.dtype)
     rstd = torch.empty(rows, groups, dtype=torch.float32, device=x2.device)
+    s2 = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, r2.dtype)) if r2 is not None else None
     if rows:
         _rms_norm_fwd_kernel[(triton.cdiv(rows, br), groups)](
-            x2, z2 if z2 is not None else x2, w, y, rstd, rows, d, z2.stride(0) if z2 is not None else 0, eps,
-            HAS_Z=z2 is not None, GATE_FIRST=gate_first, BR=br, BD=bd, num_warps=_num_warps(br * bd),
+            x2, z2 if z2 is not None else x2, r2 if r2 is not None else x2, s2 if s2 is not None else y,
+            w, y, rstd, rows, d, z2.stride(0) if z2 is not None else 0, eps,
+            HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_RES=r2 is not None, BR=br, BD=bd,
+            num_warps=_num_warps(br * bd),
         )  # fmt: skip
-    return y, rstd
+    return y, rstd, s2
 
 
-def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False):
+def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None):
+    """dx, dz, dw; ``ds2`` is added to dx, and ``dr_dtype`` also returns dx in that dtype (fourth)."""
     rows, groups = rstd.shape
     d = x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
     br = _block_rows(bd)
     dx = torch.empty_like(x2)
+    dr = torch.empty_like(x2, dtype=dr_dtype) if dr_dtype is not None else None
     dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
     progs = _bwd_programs(triton.cdiv(rows, br), x2.device)
     dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
     if rows:
         _rms_norm_bwd_kernel[(progs, groups)](
-            x2, z2 if z2 is not None else x2, w, dy2, rstd, dx, dz if dz is not None else dx, dw,
+            x2, z2 if z2 is not None else x2, w, dy2, rstd, ds2 if ds2 is not None else dx, dx,
+            dr if dr is not None else dx, dz if dz is not None else dx, dw,
             rows, d, z2.stride(0) if z2 is not None else 0,
-            HAS_Z=z2 is not None, GATE_FIRST=gate_first, BR=br, BD=bd, num_warps=_num_warps(br * bd),
+            HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_DS=ds2 is not None, HAS_DR=dr is not None,
+            BR=br, BD=bd, num_warps=_num_warps(br * bd),
         )  # fmt: skip
-    return dx, dz, dw.sum(0).to(w.dtype)
+    return dx, dz, dw.sum(0).to(w.dtype), dr
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -180,7 +200,7 @@ class _RMSNormFunction(torch.autograd.Function):
         z2 = _rows(z, shape[-1]) if z is not None else None
         w = weight.contiguous()
         gate_first = z is not None and not norm_before_gate
-        y, rstd = _triton_fwd(x2, z2, w, eps, out_dtype, gate_first, groups)
+        y, rstd, _ = _triton_fwd(x2, z2, w, eps, out_dtype, gate_first, groups)
         ctx.save_for_backward(x2, z2, w, rstd)
         ctx.shape, ctx.gate_first = shape, gate_first
         return y.reshape(shape)
@@ -189,9 +209,42 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, z2, w, rstd = ctx.saved_tensors
         dy2 = dy.reshape(x2.shape).contiguous()
-        dx, dz, dw = _triton_bwd(x2, z2, w, dy2, rstd, ctx.gate_first)
+        dx, dz, dw, _ = _triton_bwd(x2, z2, w, dy2, rstd, ctx.gate_first)
         dz = dz.reshape(ctx.shape) if dz is not None else None
         return dx.reshape(ctx.shape), dz, dw, None, None, None, None
+
+
+class _ResidualRMSNormFunction(torch.autograd.Function):
+    """``s = h + branch``, ``y = rms_norm(s)``; the backward adds the residual stream's gradient
+    ``ds`` to the norm's and writes it once per dtype (h's and the branch's)."""
+
+    @staticmethod
+    def forward(ctx, h, branch, weight, eps, out_dtype=None):
+        shape = h.shape
+        h2 = h.reshape(-1, shape[-1]).contiguous()
+        r2 = branch.reshape(h2.shape).contiguous()
+        w = weight.contiguous()
+        y, rstd, s2 = _triton_fwd(h2, None, w, eps, out_dtype, r2=r2)
+        ctx.save_for_backward(s2, w, rstd)
+        ctx.shape, ctx.dtypes = shape, (h.dtype, branch.dtype)
+        ctx.set_materialize_grads(False)
+        return s2.reshape(shape), y.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s2, w, rstd = ctx.saved_tensors
+        h_dtype, branch_dtype = ctx.dtypes
+        ds2 = ds.reshape(s2.shape).contiguous() if ds is not None else None
+        if dy is None:  # only the sum was used
+            dx, dw, dr = ds2, None, None
+            if dx is None:
+                return None, None, None, None, None
+        else:
+            dy2 = dy.reshape(s2.shape).contiguous()
+            other = branch_dtype if branch_dtype != s2.dtype else None
+            dx, _, dw, dr = _triton_bwd(s2, None, w, dy2, rstd, ds2=ds2, dr_dtype=other)
+        dr = dr if dr is not None else dx.to(branch_dtype)
+        return dx.to(h_dtype).reshape(ctx.shape), dr.reshape(ctx.shape), dw, None, None
 
 
 def _check(x, z, weight, eps, out_dtype=None, groups=1) -> None:
@@ -248,6 +301,21 @@ def reference_rms_norm(x, weight, *, eps=1e-6):
     dt = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(dt)
     return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.to(dt)).to(x.dtype)
+
+
+def reference_residual_rms_norm(h, branch, weight, *, eps=1e-6):
+    """Oracle: ``s = h + branch`` and ``reference_rms_norm(s)``, in h's dtype promoted to fp32.
+
+    Args:
+        h, branch, weight, eps: as in ``residual_rms_norm``.
+
+    Returns:
+        ``(s, y)``, ``[..., D]`` in ``promote_types(h.dtype, branch.dtype)``; differentiable.
+    """
+    _check_branch(h, branch)
+    dt = torch.promote_types(h.dtype, torch.float32)
+    s = (h.to(dt) + branch.to(dt)).to(torch.promote_types(h.dtype, branch.dtype))
+    return s, reference_rms_norm(s, weight, eps=eps)
 
 
 def reference_gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
@@ -326,6 +394,45 @@ def rms_norm(x, weight, *, eps=1e-6, out_dtype=None):
     if kernel_backend(x) == "torch":
         return _torch_norm(x, None, weight, eps, out_dtype)
     return _RMSNormFunction.apply(x, None, weight, float(eps), out_dtype)
+
+
+def _check_branch(h, branch) -> None:
+    check_dtype("h", h)
+    check_dtype("branch", branch)
+    if branch.shape != h.shape:
+        raise ValueError(f"branch must have h's shape {tuple(h.shape)}, got {tuple(branch.shape)}")
+    if branch.device != h.device:
+        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
+
+
+@on_input_device
+def residual_rms_norm(h, branch, weight, *, eps=1e-6, out_dtype=None):
+    """A pre-norm block's residual add and the next norm in one pass: ``s = h + branch`` and
+    ``rms_norm(s, weight)``.
+
+    Apart, the add reads h and the branch and writes s, and the norm reads s again; in the backward
+    the norm's input gradient is written, read back and added to the residual stream's, then cast
+    to the branch's dtype. Here each direction is one kernel. The sum is rounded to its dtype
+    before it is normalised, so both outputs equal the add followed by ``rms_norm``.
+
+    Args:
+        h: the residual stream ``[..., D]`` (fp32, fp16 or bf16; float64 on the torch backend).
+        branch: the block's output added to it, h's shape (may be of a lower precision: a bf16
+            projection's output on an fp32 stream).
+        weight: ``[D]``.
+        eps: added to the mean square.
+        out_dtype: the normalised output's dtype (default: the sum's), as in ``rms_norm``.
+
+    Returns:
+        ``(s, y)``: the new residual stream in ``promote_types(h.dtype, branch.dtype)`` and its
+        norm; gradients flow to h, branch and weight.
+    """
+    _check_branch(h, branch)
+    _check(h, None, weight, eps, out_dtype)
+    if kernel_backend(h) == "torch":
+        s = h + branch
+        return s, _torch_norm(s, None, weight, eps, out_dtype)
+    return _ResidualRMSNormFunction.apply(h, branch, weight, float(eps), out_dtype)
 
 
 @on_input_device

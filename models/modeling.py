@@ -2,7 +2,10 @@
 
 Block ``i`` = ``x + mixer_i(RMSNorm(x))`` then, when ``intermediate_size > 0``,
 ``x + SwiGLU(RMSNorm(x))`` (pre-norm residual blocks as in Transformer++, Touvron et al. 2023,
-arXiv:2302.13971). The mixer class comes from ``layer_types[i]`` via ``LAYER_TYPES``.
+arXiv:2302.13971). The mixer class comes from ``layer_types[i]`` via ``LAYER_TYPES``. Each
+residual add is taken by the norm that follows it (the next block's, or the final one), which
+adds and normalises in one kernel each way; so a block hands on ``(x, branch)`` with its last
+add still to do.
 
 Padding, packing and positions are resolved once here and handed to every layer:
 
@@ -55,14 +58,19 @@ class TTRBlock(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states,
+        branch=None,
         mask=None,
         full_mask=None,
         cu_seqlens=None,
         position_ids=None,
         past_key_values=None,
     ):
-        hidden_states = hidden_states + self.mixer(
-            self.mixer_norm(hidden_states),
+        """Returns ``(residual, branch)``: the block's output is ``residual + branch``. The last
+        add is left to the next norm, which takes it in the same kernel (``RMSNorm(x, branch)``);
+        ``branch`` in is the previous block's pending add (None before the first block)."""
+        hidden_states, normed = norm_after_add(self.mixer_norm, hidden_states, branch)
+        branch = self.mixer(
+            normed,
             mask=mask,
             full_mask=full_mask,
             cu_seqlens=cu_seqlens,
@@ -70,8 +78,16 @@ class TTRBlock(GradientCheckpointingLayer):
             cache=past_key_values,
         )
         if self.mlp is not None:
-            hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states
+            hidden_states, normed = self.mlp_norm(hidden_states, branch)
+            branch = self.mlp(normed)
+        return hidden_states, branch
+
+
+def norm_after_add(norm: RMSNorm, hidden: torch.Tensor, branch: torch.Tensor | None):
+    """``(hidden + branch, norm(hidden + branch))``, or ``(hidden, norm(hidden))`` without a branch."""
+    if branch is None:
+        return hidden, norm(hidden)
+    return norm(hidden, branch)
 
 
 class TTRPreTrainedModel(SavesRemoteCode, PreTrainedModel):
@@ -275,18 +291,20 @@ class TTRModel(TTRPreTrainedModel):
                 position_ids = torch.arange(seen, seen + t, device=hidden.device)[None].expand(b, t)
         self._check_trained_positions(position_ids, bound)
         all_hidden = [] if output_hidden_states else None
+        branch = None
         for layer in self.layers:
             if all_hidden is not None:
-                all_hidden.append(hidden)
-            hidden = layer(
+                all_hidden.append(hidden if branch is None else hidden + branch)
+            hidden, branch = layer(
                 hidden,
+                branch,
                 mask=mask,
                 full_mask=full_mask,
                 cu_seqlens=cu_seqlens,
                 position_ids=position_ids,
                 past_key_values=cache,
             )
-        hidden = self.norm(hidden)
+        hidden = norm_after_add(self.norm, hidden, branch)[1]
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None:

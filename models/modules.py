@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
-from ttr.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
 from ttr.kernels.swiglu import swiglu
 
 
@@ -16,6 +16,59 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype of x's device type when autocast is on there, else None."""
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+class _SharedInputLinear(torch.autograd.Function):
+    """``F.linear(x, w_i, b_i)`` for several maps of one input. The forward is the separate
+    products; the backward accumulates the input's gradient in the products themselves
+    (``dx += g_i w_i``, a matmul that adds into its output) instead of autograd summing one
+    ``[tokens, hidden]`` gradient per map in separate kernels."""
+
+    @staticmethod
+    def forward(ctx, x, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.n, ctx.has_bias = n, [b is not None for b in biases]
+        ctx.set_materialize_grads(False)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        need = ctx.needs_input_grad
+        dx, dws, dbs = None, [], []
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                dws.append(None)
+                dbs.append(None)
+                continue
+            g2 = g.reshape(-1, w.shape[0])
+            if need[0]:
+                dx = g2 @ w if dx is None else dx.addmm_(g2, w)
+            dws.append(g2.t() @ x2 if need[2 + i] else None)
+            dbs.append(g2.sum(0) if ctx.has_bias[i] and need[2 + ctx.n + i] else None)
+        return (dx.view(x.shape) if dx is not None else None), None, *dws, *dbs
+
+
+def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in modules)``, with the backward of ``_SharedInputLinear`` when every
+    module is a plain ``nn.Linear`` without hooks. Anything else (an adapter or quantised layer
+    put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour."""
+    from torch.nn.modules import module as nn_module
+
+    plain = all(
+        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
+    ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+    if not plain or len(modules) < 2 or not torch.is_grad_enabled():
+        return tuple(m(x) for m in modules)
+    weights, biases = [m.weight for m in modules], [m.bias for m in modules]
+    dtype = autocast_dtype(x)
+    if dtype is not None:  # the casts autocast would make for F.linear
+        x = x.to(dtype)
+        weights = [w.to(dtype) for w in weights]
+        biases = [b.to(dtype) if b is not None else None for b in biases]
+    return _SharedInputLinear.apply(x, len(modules), *weights, *biases)
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +79,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, branch: torch.Tensor | None = None):
+        """``norm(x)``; with ``branch``, ``(x + branch, norm(x + branch))`` from one kernel (the
+        residual add before a pre-norm)."""
         # Under autocast the output is in the autocast dtype: every consumer of a pre-norm is a
         # projection that would cast it anyway, once per projection (six in Gated DeltaNet).
+        if branch is not None:
+            return residual_rms_norm(x, branch, self.weight, eps=self.eps, out_dtype=autocast_dtype(x))
         return rms_norm(x, self.weight, eps=self.eps, out_dtype=autocast_dtype(x))
 
 
@@ -55,7 +112,7 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*linears(x, self.gate_proj, self.up_proj)))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

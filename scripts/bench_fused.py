@@ -11,7 +11,8 @@ the inputs):
          ``--sweep`` also times the forward and the backward alone at the launch parameters of
          ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd``, which the backward's first pass shares,
          and ``conv_bwd``, its main pass), fastest first.
-  norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend.
+  norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
+         of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused.
 
     python -m ttr.scripts.bench_fused
     python -m ttr.scripts.bench_fused --only loss --chunk-size 2048 --reps 10
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
-from ttr.kernels.norm import gated_rms_norm, rms_norm
+from ttr.kernels.norm import gated_rms_norm, residual_rms_norm, rms_norm
 from ttr.kernels.utils import backend_override
 from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
 
@@ -68,19 +69,21 @@ def with_backend(backend, fn):
 
 
 def measure(forward, inputs, reps, warmup, with_peak=False):
-    """(fwd ms, fwd+bwd ms, peak MiB | None) of ``forward()`` whose result is a tensor or a tuple."""
+    """(fwd ms, fwd+bwd ms, peak MiB | None) of ``forward()`` whose result is a tensor or a tuple;
+    the backward gets a random gradient for every output tensor that has one."""
 
-    def first(out):
-        return out[0] if isinstance(out, tuple) else out
+    def outputs(out):
+        out = out if isinstance(out, tuple) else (out,)
+        return [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
 
-    grad_out = torch.randn_like(first(forward()))
+    grad_outs = [torch.randn_like(o) for o in outputs(forward())]
 
     def fwd():
         with torch.no_grad():
             forward()
 
     def fwd_bwd():
-        torch.autograd.grad(first(forward()), inputs, grad_out)
+        torch.autograd.grad(outputs(forward()), inputs, grad_outs)
 
     fwd_bwd()  # compile before timing
     peak = peak_mib(fwd_bwd) if with_peak else None
@@ -166,10 +169,29 @@ def bench_norm_shape(args, dtype, shape):
         )
 
 
+def bench_residual_norm(args, dtype):
+    """A pre-norm block's residual add and norm as a model runs them under autocast: the fp32
+    stream plus a branch in ``dtype``, the normalised output in ``dtype``, a gradient on both."""
+    h = torch.randn(args.tokens, args.hidden, device=DEVICE, requires_grad=True)
+    branch = torch.randn(args.tokens, args.hidden, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = torch.ones(args.hidden, device=DEVICE, requires_grad=True)
+    header(f"residual add + norm: fp32 stream [{args.tokens}, {args.hidden}], branch and output {dtype}")
+
+    def unfused():
+        s = h + branch
+        return s, rms_norm(s, w, out_dtype=dtype)
+
+    for name, fn in (("h + branch, then ttr rms_norm", unfused),
+                     ("ttr residual_rms_norm", lambda: residual_rms_norm(h, branch, w, out_dtype=dtype))):
+        row(name, *measure(fn, (h, branch, w), args.reps, args.warmup, with_peak=True))
+
+
 def bench_norm(args, dtype):
-    """Model-width rows and the per-head output norm of Gated DeltaNet / Mamba2 (16 heads of 128)."""
+    """Model-width rows and the per-head output norm of Gated DeltaNet / Mamba2 (16 heads of 128),
+    then the residual add + norm."""
     for shape in ((args.tokens, args.hidden), (args.tokens, 16, 128)):
         bench_norm_shape(args, dtype, shape)
+    bench_residual_norm(args, dtype)
 
 
 def describe():

@@ -25,7 +25,7 @@ from torch import nn
 
 from ttr.kernels.attention import attention
 
-from ..modules import ShortConv, apply_rotary, run_short_convs
+from ..modules import ShortConv, apply_rotary, linears, run_short_convs
 from .base import Mixer
 
 
@@ -118,7 +118,7 @@ class Attention(Mixer):
     def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
         b, t, _ = x.shape
         layer_cache = cache[self.layer_idx] if cache is not None else None
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
         if self.convs is not None:
             q, k, v = run_short_convs(
                 list(self.convs), [q, k, v], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,

@@ -23,6 +23,7 @@ from .linear import LinearMixer
 
 class DeltaNet(LinearMixer):
     delta_rule = True
+    input_projections = ("q_proj", "k_proj", "v_proj", "b_proj")
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -32,9 +33,9 @@ class DeltaNet(LinearMixer):
     def forward(self, x, *, mask=None, full_mask=None, cu_seqlens=None, position_ids=None, cache=None):
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and x.shape[1] == 1
-        q, k, v = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
+        q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
         q, k = l2_normalize(q), l2_normalize(k)
-        beta = torch.sigmoid(self.b_proj(x))
+        beta = torch.sigmoid(p["b_proj"])
         if self.config.allow_neg_eigval:
             beta = 2 * beta
         k, v, beta = mask_tokens(mask, k, v, beta)

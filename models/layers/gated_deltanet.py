@@ -26,6 +26,7 @@ from .linear import LinearMixer
 
 class GatedDeltaNet(LinearMixer):
     delta_rule = True
+    input_projections = ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj")
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -50,14 +51,14 @@ class GatedDeltaNet(LinearMixer):
         b, t, _ = x.shape
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
-        q, k, v = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
+        q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
         q, k = l2_normalize(q), l2_normalize(k)
-        beta = torch.sigmoid(self.b_proj(x))
+        beta = torch.sigmoid(p["b_proj"])
         if self.config.allow_neg_eigval:
             beta = 2 * beta
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        g = -self.A_log.float().exp() * F.softplus(p["a_proj"].float() + self.dt_bias.float())
         k, v, beta, g = mask_tokens(mask, k, v, beta, g)
         o = self.run_kernel(chunk_gated_delta_rule, recurrent_gated_delta_rule, q, k, v, g, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
-        gate = self.g_proj(x).view(b, t, self.num_heads, self.head_v)
+        gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
         return self.output(self.o_norm(o, gate))

@@ -23,6 +23,8 @@ from .linear import LinearMixer
 
 
 class GatedLinearAttention(LinearMixer):
+    input_projections = ("q_proj", "k_proj", "v_proj", "gk_down", "g_proj")
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         d, h = config.hidden_size, self.num_heads
@@ -35,12 +37,12 @@ class GatedLinearAttention(LinearMixer):
         b, t, _ = x.shape
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
-        q, k, v = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
-        gk = F.logsigmoid(self.gk_up(self.gk_down(x)).float()) / self.config.gla_gate_logit_normalizer
+        q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
+        gk = F.logsigmoid(self.gk_up(p["gk_down"]).float()) / self.config.gla_gate_logit_normalizer
         if self.config.gla_gate_clamp_min is not None:
             gk = gk.clamp_min(self.config.gla_gate_clamp_min)
         k, v, gk = mask_tokens(mask, k, v, gk.view(b, t, self.num_heads, self.head_k))
         o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
-        gate = self.g_proj(x).view(b, t, self.num_heads, self.head_v)
+        gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
         return self.output(self.o_norm(o, gate))

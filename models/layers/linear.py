@@ -12,13 +12,16 @@ from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE
 
-from ..modules import ShortConv, run_short_convs
+from ..modules import ShortConv, linears, run_short_convs
 from .base import Mixer
 
 
 class LinearMixer(Mixer):
     #: the delta rule's WY terms run on top of the gated linear attention ones
     delta_rule: bool = False
+    #: the linear maps of the layer's input, run by one ``linears`` call (one input gradient
+    #: accumulated by the matmuls): q, k, v, then a subclass's gate projections
+    input_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     @classmethod
     def state_size(cls, config, seq_len: int) -> int:
@@ -56,16 +59,19 @@ class LinearMixer(Mixer):
         self.o_proj._residual_out = True
 
     def project_qkv(self, x, *, mask, cu_seqlens, layer_cache, decoding):
-        """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled."""
+        """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled, and
+        the other ``input_projections`` of x by name."""
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        names = self.input_projections
+        out = dict(zip(names, linears(x, *(getattr(self, n) for n in names))))
+        q, k, v = out.pop("q_proj"), out.pop("k_proj"), out.pop("v_proj")
         if self.convs is not None:
             q, k, v = run_short_convs(
                 list(self.convs), [q, k, v], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
                 decoding=decoding,
             )
         h = self.num_heads
-        return q.view(b, t, h, self.head_k), k.view(b, t, h, self.head_k), v.view(b, t, h, self.head_v)
+        return q.view(b, t, h, self.head_k), k.view(b, t, h, self.head_k), v.view(b, t, h, self.head_v), out
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""

@@ -13,7 +13,9 @@ from ttr.kernels.norm import (
     l2_norm,
     reference_gated_rms_norm,
     reference_l2_norm,
+    reference_residual_rms_norm,
     reference_rms_norm,
+    residual_rms_norm,
     rms_norm,
 )
 
@@ -192,3 +194,84 @@ def test_rms_norm_out_dtype(backend):
     assert xa.grad.dtype == torch.float32 and rel_rms(xa.grad, xb.grad) < TOL
     with pytest.raises(TypeError, match="out_dtype"):
         rms_norm(x, w, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("shape", [(48,), (3, 100), (2, 5, 48), (2, 3, 4, 33), (1, 3), (37, 1000)])
+def test_residual_rms_norm(backend, shape):
+    """s = h + branch and rms_norm(s): both outputs and the gradients of h, branch and weight, with
+    an upstream gradient on each output (the residual stream's and the normalised input's)."""
+    h = torch.randn(*shape, device=DEVICE)
+    branch = torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    fn, ref = residual_rms_norm, reference_residual_rms_norm
+    leaves = [a.clone().requires_grad_() for a in (h, branch, w)]
+    ref_leaves = [a.double().requires_grad_() for a in (h, branch, w)]
+    s, y = fn(*leaves, eps=1e-5)
+    s_ref, y_ref = ref(*ref_leaves, eps=1e-5)
+    assert s.dtype == y.dtype == h.dtype
+    assert rel_rms(s, s_ref) < TOL and rel_rms(y, y_ref) < TOL
+    ds, dy = torch.randn_like(s_ref), torch.randn_like(y_ref)
+    grads = torch.autograd.grad((s, y), leaves, (ds.float(), dy.float()))
+    grads_ref = torch.autograd.grad((s_ref, y_ref), ref_leaves, (ds, dy))
+    for name, g, r in zip(("h", "branch", "weight"), grads, grads_ref):
+        assert rel_rms(g, r) < TOL, f"d{name}: {rel_rms(g, r)}"
+    # only one output used: each gradient path alone
+    (dh_only,) = torch.autograd.grad(fn(*leaves, eps=1e-5)[0], leaves[0], ds.float())
+    assert rel_rms(dh_only, ds) < TOL
+    dy_only = torch.autograd.grad(fn(*leaves, eps=1e-5)[1], leaves, dy.float())
+    dy_ref = torch.autograd.grad(ref(*ref_leaves, eps=1e-5)[1], ref_leaves, dy)
+    for g, r in zip(dy_only, dy_ref):
+        assert rel_rms(g, r) < TOL
+
+
+def test_residual_rms_norm_equals_add_then_norm(backend):
+    """An fp32 stream plus a bf16 branch, the normalised output in bf16 (a pre-norm block under
+    autocast): the same values and gradients, in the same dtypes, as the add followed by
+    ``rms_norm``."""
+    h = torch.randn(6, 256, device=DEVICE)
+    branch = torch.randn(6, 256, device=DEVICE).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(256, device=DEVICE)
+    a = [t.clone().requires_grad_() for t in (h, branch, w)]
+    b = [t.clone().requires_grad_() for t in (h, branch, w)]
+    s, y = residual_rms_norm(*a, eps=1e-6, out_dtype=torch.bfloat16)
+    s2 = b[0] + b[1]
+    y2 = rms_norm(s2, b[2], eps=1e-6, out_dtype=torch.bfloat16)
+    assert s.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(s, s2, rtol=0, atol=0)
+    torch.testing.assert_close(y.float(), y2.float(), rtol=2**-7, atol=0)
+    ds, dy = torch.randn_like(s), torch.randn_like(y)
+    ga = torch.autograd.grad((s, y), a, (ds, dy))
+    gb = torch.autograd.grad((s2, y2), b, (ds, dy))
+    for name, g, r in zip(("h", "branch", "weight"), ga, gb):
+        assert g.dtype == r.dtype, name
+        assert rel_rms(g.float(), r.float()) < (1e-2 if g.dtype == torch.bfloat16 else TOL), name
+
+
+def test_residual_rms_norm_bad_inputs():
+    h = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="branch"):
+        residual_rms_norm(h, torch.randn(3, 7), torch.randn(8))
+    with pytest.raises(TypeError, match="branch"):
+        residual_rms_norm(h, torch.randint(0, 3, (3, 8)), torch.randn(8))
+    with pytest.raises(ValueError, match="weight"):
+        residual_rms_norm(h, torch.randn(3, 8), torch.randn(7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [1024, 2048, 4096])
+def test_residual_rms_norm_gpu(monkeypatch, d):
+    """bf16 branch on an fp32 stream, bf16 output, against the float64 oracle."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    h = torch.randn(4, 2048, d, device=DEVICE)
+    branch = torch.randn(4, 2048, d, device=DEVICE).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(d, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (h, branch, w)]
+    ref_leaves = [t.double().requires_grad_() for t in (h, branch, w)]
+    s, y = residual_rms_norm(*leaves, out_dtype=torch.bfloat16)
+    s_ref, y_ref = reference_residual_rms_norm(*ref_leaves)
+    assert rel_rms(s, s_ref) < 1e-6 and rel_rms(y, y_ref) < 1e-2
+    ds, dy = torch.randn_like(s_ref), torch.randn_like(y_ref)
+    grads = torch.autograd.grad((s, y), leaves, (ds.float(), dy.bfloat16()))
+    grads_ref = torch.autograd.grad((s_ref, y_ref), ref_leaves, (ds, dy.bfloat16().double()))
+    for name, g, r, tol in zip(("h", "branch", "weight"), grads, grads_ref, (1e-4, 1e-2, 1e-3)):
+        assert rel_rms(g, r) < tol, f"d{name}: {rel_rms(g, r)}"
