@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
+from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
 MAX_D = 8192
 
@@ -398,11 +398,7 @@ def rms_norm(x, weight, *, eps=1e-6, out_dtype=None):
 
 def _check_branch(h, branch) -> None:
     check_dtype("h", h)
-    check_dtype("branch", branch)
-    if branch.shape != h.shape:
-        raise ValueError(f"branch must have h's shape {tuple(h.shape)}, got {tuple(branch.shape)}")
-    if branch.device != h.device:
-        raise ValueError(f"branch is on {branch.device} but h is on {h.device}")
+    check_like("branch", branch, "h", h)
 
 
 @on_input_device

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
+from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
 BLOCK = 2048
 
@@ -83,13 +83,7 @@ class _SwiGLUTorch(torch.autograd.Function):
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_dtype("gate", gate)
-    check_dtype("up", up)
-    if up.shape != gate.shape:
-        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up has dtype {up.dtype} but gate has {gate.dtype}")
-    if up.device != gate.device:
-        raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
+    check_like("up", up, "gate", gate, same_dtype=True)
 
 
 def reference_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,17 @@ def check_dtype(name: str, x: torch.Tensor, allowed=SUPPORTED_DTYPES) -> None:
         raise TypeError(f"{name} has unsupported dtype {x.dtype}; expected one of {allowed}")
 
 
+def check_like(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor, same_dtype: bool = False) -> None:
+    """``x`` is a floating tensor of ``ref``'s shape on ``ref``'s device (and dtype, if asked)."""
+    check_dtype(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(f"{name} must have {ref_name}'s shape {tuple(ref.shape)}, got {tuple(x.shape)}")
+    if same_dtype and x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+
+
 def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
