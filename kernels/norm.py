@@ -40,18 +40,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import tuned
 from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
 MAX_D = 8192
 
 
-def _block_rows(bd: int) -> int:
-    """Rows per block: about 4096 elements per block, so narrow rows (per-head norms) share one."""
-    return max(1, 4096 // bd)
-
-
-def _num_warps(elements: int) -> int:
-    return min(16, max(1, elements // 256))
+def _launch(stage: str, bd: int) -> dict:
+    """Launch parameters of ``norm_fwd`` / ``norm_bwd`` (``index.tuned``) for rows padded to
+    ``bd``: ``BR`` rows per block, about ``ELEMS`` elements (so narrow rows, the per-head norms,
+    share a block), ``num_warps`` (default one per 256 elements, at most 16), and for the backward
+    ``SM_PROGS`` programs per SM walking the row blocks."""
+    cfg = tuned(stage, ELEMS=4096, num_warps=None, SM_PROGS=2)
+    br = max(1, cfg["ELEMS"] // bd)
+    warps = cfg["num_warps"] or min(16, max(1, br * bd // 256))
+    return dict(BR=br, num_warps=warps, SM_PROGS=cfg["SM_PROGS"])
 
 
 @triton.jit
@@ -140,9 +143,9 @@ def _rms_norm_bwd_kernel(
     tl.store(dw + i_p * G * D + i_g * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
-def _bwd_programs(blocks: int, device: torch.device) -> int:
+def _bwd_programs(blocks: int, device: torch.device, per_sm: int) -> int:
     if device.type == "cuda":
-        return max(1, min(blocks, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(blocks, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(blocks, 4))
 
 
@@ -150,16 +153,16 @@ def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1, r2=N
     """y and rstd; with ``r2`` (a residual branch) the norm is of ``s = x2 + r2``, returned third."""
     rows, d = x2.shape[0], x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
-    br = _block_rows(bd)
+    cfg = _launch("norm_fwd", bd)
     y = torch.empty_like(x2, dtype=out_dtype or x2.dtype)
     rstd = torch.empty(rows, groups, dtype=torch.float32, device=x2.device)
     s2 = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, r2.dtype)) if r2 is not None else None
     if rows:
-        _rms_norm_fwd_kernel[(triton.cdiv(rows, br), groups)](
+        _rms_norm_fwd_kernel[(triton.cdiv(rows, cfg["BR"]), groups)](
             x2, z2 if z2 is not None else x2, r2 if r2 is not None else x2, s2 if s2 is not None else y,
             w, y, rstd, rows, d, z2.stride(0) if z2 is not None else 0, eps,
-            HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_RES=r2 is not None, BR=br, BD=bd,
-            num_warps=_num_warps(br * bd),
+            HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_RES=r2 is not None, BR=cfg["BR"], BD=bd,
+            num_warps=cfg["num_warps"],
         )  # fmt: skip
     return y, rstd, s2
 
@@ -169,11 +172,11 @@ def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None)
     rows, groups = rstd.shape
     d = x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
-    br = _block_rows(bd)
+    cfg = _launch("norm_bwd", bd)
     dx = torch.empty_like(x2)
     dr = torch.empty_like(x2, dtype=dr_dtype) if dr_dtype is not None else None
     dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
-    progs = _bwd_programs(triton.cdiv(rows, br), x2.device)
+    progs = _bwd_programs(triton.cdiv(rows, cfg["BR"]), x2.device, cfg["SM_PROGS"])
     dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
     if rows:
         _rms_norm_bwd_kernel[(progs, groups)](
@@ -181,7 +184,7 @@ def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None)
             dr if dr is not None else dx, dz if dz is not None else dx, dw,
             rows, d, z2.stride(0) if z2 is not None else 0,
             HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_DS=ds2 is not None, HAS_DR=dr is not None,
-            BR=br, BD=bd, num_warps=_num_warps(br * bd),
+            BR=cfg["BR"], BD=bd, num_warps=cfg["num_warps"],
         )  # fmt: skip
     return dx, dz, dw.sum(0).to(w.dtype), dr
 

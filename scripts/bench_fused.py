@@ -12,11 +12,13 @@ the inputs):
          ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd``, which the backward's first pass shares,
          and ``conv_bwd``, its main pass), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
-         of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused.
+         of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused;
+         ``--sweep`` times the norm kernels at NORM_SWEEP's launches (``norm_fwd``, ``norm_bwd``).
 
     python -m ttr.scripts.bench_fused
     python -m ttr.scripts.bench_fused --only loss --chunk-size 2048 --reps 10
     python -m ttr.scripts.bench_fused --only conv --sweep
+    python -m ttr.scripts.bench_fused --only norm --sweep
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ CONV_SWEEP = {
     "conv_bwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 128), (16, 256), (32, 64), (32, 128),
                  (64, 64), (64, 128)) for nw in (2, 4, 8)],
 }
+NORM_SWEEP = {
+    "norm_fwd": [dict(ELEMS=e, num_warps=nw) for e in (2048, 4096, 8192) for nw in (4, 8, 16)],
+    "norm_bwd": [dict(ELEMS=e, num_warps=nw, SM_PROGS=p) for e in (2048, 4096, 8192) for nw in (4, 8, 16)
+                 for p in (2, 4, 8)],
+}
 DEVICE = "cuda"
 
 
@@ -54,7 +61,8 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--sweep", action="store_true", help="conv: also time the kernels at CONV_SWEEP's launches")
+    p.add_argument("--sweep", action="store_true",
+                   help="conv, norm: also time the kernels at CONV_SWEEP's / NORM_SWEEP's launches")
     return p.parse_args(argv)
 
 
@@ -184,6 +192,28 @@ def bench_residual_norm(args, dtype):
     for name, fn in (("h + branch, then ttr rms_norm", unfused),
                      ("ttr residual_rms_norm", lambda: residual_rms_norm(h, branch, w, out_dtype=dtype))):
         row(name, *measure(fn, (h, branch, w), args.reps, args.warmup, with_peak=True))
+    if args.sweep:
+        sweep_norm(h.detach(), branch.detach(), w.detach(), dtype)
+
+
+def sweep_norm(h, branch, w, dtype):
+    """The norm kernels alone at NORM_SWEEP's launches: the residual norm (fp32 stream, ``dtype``
+    branch and output, the stream's gradient added) and the per-head L2 norm of q and k
+    (``[tokens * 16, 128]`` in ``dtype``)."""
+    from ttr.kernels.norm import _triton_bwd, _triton_fwd
+
+    _, rstd, s = _triton_fwd(h, None, w, 1e-6, dtype, r2=branch)
+    dy, ds = torch.randn_like(h, dtype=dtype), torch.randn_like(h)
+    calls = {"norm_fwd": lambda: _triton_fwd(h, None, w, 1e-6, dtype, r2=branch),
+             "norm_bwd": lambda: _triton_bwd(s, None, w, dy, rstd, ds2=ds, dr_dtype=dtype)}
+    time_stages(calls, f"residual norm {list(h.shape)}", NORM_SWEEP)
+    q = torch.randn(h.shape[0] * 16, 128, device=DEVICE, dtype=dtype)
+    wq = torch.full((128,), 128**-0.5, device=DEVICE)
+    _, rstd_q, _ = _triton_fwd(q, None, wq, 1e-6)
+    dq = torch.randn_like(q)
+    calls = {"norm_fwd": lambda: _triton_fwd(q, None, wq, 1e-6),
+             "norm_bwd": lambda: _triton_bwd(q, None, wq, dq, rstd_q)}
+    time_stages(calls, f"per-head norm {list(q.shape)}", NORM_SWEEP)
 
 
 def bench_norm(args, dtype):
