@@ -53,7 +53,9 @@ class GatedDeltaNet(LinearMixer):
         decoding = layer_cache is not None and t == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
         q, k = l2_normalize(q), l2_normalize(k)
-        beta = torch.sigmoid(p["b_proj"])
+        # fp32: in bf16 a beta near 1 rounds to 1 - 2^-8 or 1, and the sigmoid's backward, which
+        # scales the gradient by beta (1 - beta), then gets 1 - beta off by up to 100 %
+        beta = torch.sigmoid(p["b_proj"].float())
         if self.config.allow_neg_eigval:
             beta = 2 * beta
         g = -self.A_log.float().exp() * F.softplus(p["a_proj"].float() + self.dt_bias.float())

@@ -47,3 +47,27 @@ def test_a_mixer_without_its_traits_cannot_be_built():
 
     with pytest.raises(TypeError, match="state_size"):
         Incomplete()
+
+
+@pytest.mark.parametrize("name", ["delta_net", "gated_deltanet"])
+def test_delta_rules_take_beta_in_fp32_under_autocast(name, monkeypatch):
+    """beta reaches the kernel in fp32 under bf16 autocast: in bf16 a beta near 1 rounds to 1 (or
+    1 - 2^-8), and the sigmoid's backward, which scales by beta (1 - beta), loses its gradient."""
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=[name], num_heads=2)
+    layer = LAYER_TYPES[name](cfg, 0)
+    torch.nn.init.normal_(layer.b_proj.weight, 0.08, 0.01)  # logits about 5 on the input below
+    seen = {}
+
+    def run_kernel(chunk_fn, recurrent_fn, *inputs, **kw):
+        seen["beta"] = inputs[-1]
+        return inputs[2]  # v as the output: [B, T, H, V]
+
+    monkeypatch.setattr(layer, "run_kernel", run_kernel)
+    x = torch.ones(1, 7, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    beta = seen["beta"]
+    assert beta.dtype == torch.float32
+    assert ((beta > 0.99) & (beta < 1 - 2**-9)).all()  # saturated, yet below what bf16 rounds to 1
+    (dlogits,) = torch.autograd.grad(beta.sum(), layer.b_proj.weight)
+    assert torch.isfinite(dlogits).all() and dlogits.abs().sum() > 0
