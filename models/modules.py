@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
@@ -55,8 +56,6 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in modules)``, with the backward of ``_SharedInputLinear`` when every
     module is a plain ``nn.Linear`` without hooks. Anything else (an adapter or quantised layer
     put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour."""
-    from torch.nn.modules import module as nn_module
-
     plain = all(
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
     ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)

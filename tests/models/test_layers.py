@@ -69,5 +69,9 @@ def test_delta_rules_take_beta_in_fp32_under_autocast(name, monkeypatch):
     beta = seen["beta"]
     assert beta.dtype == torch.float32
     assert ((beta > 0.99) & (beta < 1 - 2**-9)).all()  # saturated, yet below what bf16 rounds to 1
-    (dlogits,) = torch.autograd.grad(beta.sum(), layer.b_proj.weight)
-    assert torch.isfinite(dlogits).all() and dlogits.abs().sum() > 0
+    # the gradient through the sigmoid, against float64 from the same bf16 logits: a bf16 beta has
+    # 1 - beta on a grid of 2^-8 and misses it by tens of percent here
+    (dw,) = torch.autograd.grad(beta.sum(), layer.b_proj.weight)
+    logits = torch.nn.functional.linear(x.detach().bfloat16(), layer.b_proj.weight.detach().bfloat16()).double()
+    want = (torch.sigmoid(logits) * torch.sigmoid(-logits)).sum((0, 1))[:, None].expand_as(dw)  # x is ones
+    assert ((dw.double() - want).norm() / want.norm()) < 1e-2
