@@ -292,8 +292,9 @@ def _conv_update_kernel(
 def _launch(stage: str, t: int, d: int) -> dict:
     """Launch parameters of ``conv_fwd`` (also the backward's first pass) and of the backward's
     main pass, ``conv_bwd`` (``index.tuned``): BT tokens by BD channels per block, each the
-    fastest of ``bench_fused --sweep`` on an H200 (the main pass: 64 x 64 on 2 warps, 0.87 ms
-    for both passes at 4 x 8192 x 4096 where 32 x 128 on 4 warps took 1.42)."""
+    fastest of ``bench_fused --sweep`` on an H200 (the main pass: 64 x 64 on 2 warps, 0.70 ms
+    for both passes at 4 x 8192 x 4096, within 1 % of the best; 32 x 128 on 4 warps took twice
+    as long when the passes exchanged da in fp32)."""
     if interpreter_active():
         return tuned(stage, BT=min(64, triton.next_power_of_2(max(t, 1))), BD=min(64, triton.next_power_of_2(d)))
     if stage == "conv_bwd":
@@ -338,9 +339,11 @@ def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
     if activation == "silu" and t:
-        # pass 1: da = dy * silu'(a) once per token (fp32), so the main pass reads da at the W
-        # shifts instead of recomputing the pre-activation (and its sigmoid) at every shift
-        da = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        # pass 1: da = dy * silu'(a) once per token, so the main pass reads da at the W shifts
+        # (recomputing the pre-activation and its sigmoid at every shift in one pass measured
+        # slower). da is kept in x's dtype, as an unfused SiLU's backward would hand it on: both
+        # passes are memory-bound, and an fp32 da is a third of their traffic.
+        da = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         cfg = _launch("conv_fwd", t, d)
         _conv_fwd_kernel[(triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, da,

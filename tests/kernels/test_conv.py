@@ -8,11 +8,14 @@ against the full conv. The "triton" backend runs the Triton kernels (interpreter
 import pytest
 import torch
 
+from ttr.kernels.common.index import TUNING
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, reference_causal_conv1d
 
 from .conftest import DEVICE, rel_rms
 
 TOL = 1e-4
+
+
 def run(fn, x, weight, bias, h0, *, upcast, **kw):
     cast = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
     leaves = [cast(t).requires_grad_() if t is not None else None for t in (x, weight, bias, h0)]
@@ -70,6 +73,21 @@ def test_conv_packed(backend, w, h0):
     check(x, weight, bias, state if h0 else None, activation="silu", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias):
+    """The backward in blocks of 16 tokens by 16 channels (``index.TUNING``): packed documents
+    shorter than W and across block edges, 40 channels (a partial block), initial states and the
+    final state's gradient; the backward's shifted taps (t + s, and the pre-activation it
+    recomputes there for the SiLU) cross block edges, stop at every document's end and read the
+    state before every start."""
+    monkeypatch.setitem(TUNING, "conv_bwd", {"BT": 16, "BD": 16})
+    lens = [2, 17, 1, 0, 3, 30, 4, 14]  # T = 71, not a multiple of the block
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
+    x, weight, bias, h0 = make(1, sum(lens), 40, 4, n=len(lens))
+    check(x, weight, bias if with_bias else None, h0, activation=activation, cu_seqlens=cu)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_conv_reads_a_column_slice_in_place(backend, packed):
     """x a column slice of a wider projection (Mamba2's xBC): same result as a contiguous x, the
@@ -86,8 +104,9 @@ def test_conv_reads_a_column_slice_in_place(backend, packed):
     dy = torch.randn_like(y)
     y.backward(dy)
     p64 = proj.detach().double().requires_grad_()
-    y64, _ = reference_causal_conv1d(p64[..., 50:87], weight.double(), bias.double(), activation="silu",
-                                     cu_seqlens=cu)
+    y64, _ = reference_causal_conv1d(
+        p64[..., 50:87], weight.double(), bias.double(), activation="silu", cu_seqlens=cu
+    )
     y64.backward(dy.double())
     assert rel_rms(y, y64) < TOL and rel_rms(proj.grad, p64.grad) < TOL
 
