@@ -76,11 +76,12 @@ def test_conv_packed(backend, w, h0):
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias):
-    """The backward in blocks of 16 tokens by 16 channels (``index.TUNING``): packed documents
+    """Both kernels in blocks of 16 tokens by 16 channels (``index.TUNING``): packed documents
     shorter than W and across block edges, 40 channels (a partial block), initial states and the
-    final state's gradient; the backward's shifted taps (t + s, and the pre-activation it
-    recomputes there for the SiLU) cross block edges, stop at every document's end and read the
-    state before every start."""
+    final state's gradient; the backward's reads at t + s cross block edges and stop at every
+    document's end, its taps read the state before every start, and its per-block dw partial sums
+    are reduced over many blocks."""
+    monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
     monkeypatch.setitem(TUNING, "conv_bwd", {"BT": 16, "BD": 16})
     lens = [2, 17, 1, 0, 3, 30, 4, 14]  # T = 71, not a multiple of the block
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
