@@ -79,6 +79,12 @@ def test_linears_call_modules_that_are_not_plain():
     linears(x, *mods)
     assert seen == [torch.Size([2, 3])]
     handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        linears(x, *mods)
+    finally:
+        handle.remove()
+    assert seen[1:] == ["Linear"] * 3  # a global hook sees every projection
 
     class Scaled(nn.Linear):
         def forward(self, x):

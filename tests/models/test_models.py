@@ -241,6 +241,23 @@ def test_gradient_checkpointing_gives_same_gradients():
 
 
 @torch.no_grad()
+def test_hidden_states_are_the_blocks_outputs():
+    """Blocks hand on ``(residual, branch)`` and leave the last add to the next norm; the reported
+    hidden states are still the embeddings, every block's ``residual + branch``, then the final norm."""
+    model = make_model("gated_deltanet_h1")
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = model(ids, output_hidden_states=True)
+    states = out.hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1
+    hidden, branch = model.get_input_embeddings()(ids), None
+    torch.testing.assert_close(states[0], hidden)
+    for i, layer in enumerate(model.model.layers[:-1]):
+        hidden, branch = layer(hidden, branch)
+        torch.testing.assert_close(states[i + 1], hidden + branch)
+    torch.testing.assert_close(states[-1], model.model(ids).last_hidden_state)
+
+
+@torch.no_grad()
 def test_tied_embeddings_and_dtype(tmp_path):
     model = make_model("gated_deltanet", tie_word_embeddings=True)
     assert model.lm_head.weight.data_ptr() == model.model.embeddings.weight.data_ptr()
