@@ -13,6 +13,8 @@ time (zeros where neither exists), i.e. exactly the ``initial_state`` that conti
 Shapes: x ``[B, T, D]``, weight ``[D, W]``, bias ``[D]``, states ``[N, D, W-1]`` with N = B
 (or the number of documents when packed); the final state has x's dtype (it holds inputs).
 ``activation`` is None or ``"silu"``. Arithmetic is fp32 (fp64 for fp64 inputs) in every backend.
+``l2_group`` also scales every run of that many output channels (a head) to unit L2 norm, as the
+delta rules do to q and k, inside the same kernels.
 
 ``causal_conv1d_update`` is the decoding step: one token ``x [B, D]`` against ``conv_state
 [B, D, W-1]``; it returns ``(y [B, D], new_conv_state)`` with the state shifted by one token.
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import prepare_packing, segments, tuned
+from ttr.kernels.norm import l2_norm
 from ttr.kernels.utils import (
     check_cu_seqlens,
     check_dtype,
@@ -36,9 +39,12 @@ from ttr.kernels.utils import (
 )
 
 ACTIVATIONS = (None, "silu")
+# Largest channel group the fused L2 norm takes (a block holds whole groups); larger or
+# non-power-of-2 groups are normed after the conv.
+MAX_L2_GROUP = 256
 
 
-def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state) -> int:
+def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state, l2_group=None) -> int:
     """Validate causal_conv1d's arguments; return the number of sequences N."""
     check_rank("x", x, 3, "[B, T, D]")
     check_dtype("x", x)
@@ -57,6 +63,10 @@ def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state) ->
             raise ValueError(f"bias must have shape [D] = [{d}], got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if l2_group is not None and (
+        isinstance(l2_group, bool) or not isinstance(l2_group, int) or l2_group < 1 or d % l2_group
+    ):
+        raise ValueError(f"l2_group must be a positive int dividing D={d}, got {l2_group!r}")
     n = check_cu_seqlens(cu_seqlens, b, t)
     if initial_state is not None:
         check_rank("initial_state", initial_state, 3, "[N, D, W-1]")
@@ -132,6 +142,13 @@ def _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _group_sum(b_t, BT: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr):
+    """Sums of b_t over each run of L2 channels, broadcast back over the run. # [BT, BD]"""
+    b_g = tl.sum(tl.reshape(b_t, [BT, BD // L2, L2]), axis=2)  # [BT, BD // L2]
+    return tl.reshape(tl.broadcast_to(b_g[:, :, None], [BT, BD // L2, L2]), [BT, BD])
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x,
     w,
@@ -153,8 +170,13 @@ def _conv_fwd_kernel(
     BD: tl.constexpr,
     dy=None,
     GRAD: tl.constexpr = False,
+    eps=1e-6,
+    L2: tl.constexpr = 0,
 ):
-    """y = act(conv(x)); with GRAD, y = dy * act'(conv(x)) instead (the first backward pass)."""
+    """y = act(conv(x)); with GRAD, y = the gradient of conv(x) from the output's dy (the first
+    backward pass). With L2 > 0 the output is normalised to unit L2 norm over each run of L2
+    channels (a head): y = u / sqrt(sum u^2 + eps) with u = act(conv(x)) in fp32, so the norm's
+    backward, dy -> rstd * (dy - y * sum(dy * y)), also happens here from the recomputed u."""
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -165,17 +187,26 @@ def _conv_fwd_kernel(
     b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, s_xt, W, HAS_BIAS, HAS_INIT, BT, BD)
     p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
     m_td = m_t[:, None] & m_d[None, :]
+    if SILU:
+        b_sig = tl.sigmoid(b_a)
+        b_u = b_a * b_sig
+    else:
+        b_u = b_a
+    if L2 > 0:
+        b_rstd = 1.0 / tl.sqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
     if GRAD:
         p_dy = dy + i_b.to(tl.int64) * T * D + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
         b_dy = tl.load(p_dy, mask=m_td, other=0.0).to(tl.float32)
+        if L2 > 0:
+            b_yn = b_u * b_rstd
+            b_dy = b_rstd * (b_dy - b_yn * _group_sum(b_dy * b_yn, BT, BD, L2))
         if SILU:
-            b_sig = tl.sigmoid(b_a)
             b_dy = b_dy * b_sig * (1.0 + b_a * (1.0 - b_sig))
         tl.store(p_y, b_dy.to(y.dtype.element_ty), mask=m_td)
     else:
-        if SILU:
-            b_a = b_a * tl.sigmoid(b_a)
-        tl.store(p_y, b_a.to(y.dtype.element_ty), mask=m_td)
+        if L2 > 0:
+            b_u = b_u * b_rstd
+        tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
 
 
 @triton.jit
@@ -312,44 +343,52 @@ def rows_in_place(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 or x.shape[2] == 1 else x.contiguous()
 
 
-def conv_fwd(x, weight, bias, init, activation, packing):
+def _launch_l2(stage: str, t: int, d: int, l2: int) -> dict:
+    """``_launch``, with every block holding whole groups of ``l2`` channels (both powers of 2)."""
+    cfg = _launch(stage, t, d)
+    return {**cfg, "BD": max(cfg["BD"], l2)} if l2 else cfg
+
+
+def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
     """The Triton forward: y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x as
-    ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None. Also a stage of ops that fuse
-    the conv (``kernels.ssd``'s ``chunk_conv_ssd``)."""
+    ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None; ``l2`` > 0 (a power of 2
+    dividing D) normalises every run of ``l2`` channels of y. Also a stage of ops that fuse the
+    conv (``kernels.ssd``'s ``chunk_conv_ssd``)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = _launch("conv_fwd", t, d)
+    cfg = _launch_l2("conv_fwd", t, d, l2)
     grid = (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
             seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
-            SILU=activation == "silu", **cfg,
+            SILU=activation == "silu", eps=l2_eps, L2=l2, **cfg,
         )  # fmt: skip
     return y
 
 
-def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing):
+def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_eps=1e-6):
     """The Triton backward: ``(dx, dweight, dbias, dinit)`` from the output gradient dy (contiguous)
-    and the final state's dfinal (or None)."""
+    and the final state's dfinal (or None); ``l2`` as in ``conv_fwd``."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
-    if activation == "silu" and t:
-        # pass 1: da = dy * silu'(a) once per token, so the main pass reads da at the W shifts
-        # (recomputing the pre-activation and its sigmoid at every shift in one pass measured
-        # slower). da is kept in x's dtype, as an unfused SiLU's backward would hand it on: both
-        # passes are memory-bound, and an fp32 da is a third of their traffic.
+    if (activation == "silu" or l2) and t:
+        # pass 1: da = dy * silu'(a) once per token (through the L2 norm's backward first, with
+        # l2), so the main pass reads da at the W shifts (recomputing the pre-activation and its
+        # sigmoid at every shift in one pass measured slower). da is kept in x's dtype, as an
+        # unfused SiLU's backward would hand it on: both passes are memory-bound, and an fp32 da
+        # is a third of their traffic.
         da = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        cfg = _launch("conv_fwd", t, d)
+        cfg = _launch_l2("conv_fwd", t, d, l2)
         _conv_fwd_kernel[(triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
             seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
-            SILU=True, dy=dy, GRAD=True, **cfg,
+            SILU=activation == "silu", dy=dy, GRAD=True, eps=l2_eps, L2=l2, **cfg,
         )  # fmt: skip
         dy = da
     cfg = _launch("conv_bwd", t, d)
@@ -391,15 +430,16 @@ def _dfinal_to_init(dfinal, packing, t: int, w: int):
 
 class _CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, initial_state, packing, activation):
+    def forward(ctx, x, weight, bias, initial_state, packing, activation, l2=0, l2_eps=1e-6):
         # x may be a column slice of a wider projection (Mamba2's xBC): read in place, and saved
-        # as that view, so the backward keeps no copy of it
+        # as that view, so the backward keeps no copy of it. With l2 nothing else is kept: the
+        # backward recomputes the output before its norm from x.
         x, weight = rows_in_place(x), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
-        y = conv_fwd(x, weight, bias, init, activation, packing)
+        y = conv_fwd(x, weight, bias, init, activation, packing, l2, l2_eps)
         final = _final_state(x, init, packing, weight.shape[1])
         ctx.save_for_backward(x, weight, bias, init)
-        ctx.packing, ctx.activation = packing, activation
+        ctx.packing, ctx.activation, ctx.l2 = packing, activation, (l2, l2_eps)
         ctx.set_materialize_grads(False)
         return y, final
 
@@ -410,24 +450,33 @@ class _CausalConv1dFunction(torch.autograd.Function):
             dy = torch.zeros_like(x)
         dfinal = dfinal.contiguous() if dfinal is not None else None
         dx, dw, db, dinit = conv_bwd(
-            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing
+            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing, *ctx.l2
         )
-        return dx, dw, db, dinit, None, None
+        return dx, dw, db, dinit, None, None, None, None
+
+
+def _l2_groups(y: torch.Tensor, group: int | None, eps: float) -> torch.Tensor:
+    """y ``[..., D]`` with every run of ``group`` channels scaled to unit L2 norm (None: y)."""
+    if not group:
+        return y
+    yg = y.unflatten(-1, (-1, group))
+    return (yg * torch.rsqrt(yg.square().sum(-1, keepdim=True) + eps)).flatten(-2)
 
 
 def reference_causal_conv1d(
-    x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False
+    x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False,
+    l2_group=None, l2_eps=1e-6,
 ):
     """Per-token oracle: loops over sequences and tokens; computes in x's dtype promoted to fp32.
 
     Args:
-        x, weight, bias, activation, cu_seqlens, initial_state, output_final_state: as in
-            ``causal_conv1d``.
+        x, weight, bias, activation, cu_seqlens, initial_state, output_final_state, l2_group,
+            l2_eps: as in ``causal_conv1d``.
 
     Returns:
         ``(y [B, T, D] in x's dtype, final_state [N, D, W-1] in x's dtype or None)``; differentiable.
     """
-    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state, l2_group)
     b, t, d = x.shape
     w = weight.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
@@ -446,7 +495,7 @@ def reference_causal_conv1d(
                 acc = acc + bias.to(dt)
             if activation == "silu":
                 acc = F.silu(acc)
-            rows.append(acc)
+            rows.append(_l2_groups(acc, l2_group, l2_eps))
         if rows:
             y[i_b, bos:eos] = torch.stack(rows)
         final.append(seq[seq.shape[0] - (w - 1) :].transpose(0, 1))
@@ -467,7 +516,9 @@ def _shift_index(packing, b: int, t: int, device):
     return pos, seq
 
 
-def torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state):
+def torch_causal_conv1d(
+    x, weight, bias, activation, packing, initial_state, output_final_state, l2_group=None, l2_eps=1e-6
+):
     """Vectorised torch version (autograd through gathers)."""
     b, t, d = x.shape
     w = weight.shape[1]
@@ -491,7 +542,7 @@ def torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, out
         acc = acc + bias.to(dt)
     if activation == "silu":
         acc = F.silu(acc)
-    y = acc.to(x.dtype)
+    y = _l2_groups(acc, l2_group, l2_eps).to(x.dtype)
     if not output_final_state:
         return y, None
     return y, _final_state(x, initial_state, packing, w)
@@ -524,7 +575,8 @@ def _final_state(x, initial_state, packing, w: int) -> torch.Tensor:
 
 @on_input_device
 def causal_conv1d(
-    x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False
+    x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False,
+    l2_group=None, l2_eps=1e-6,
 ):
     """Causal depthwise convolution over time (see the module docstring for the formula).
 
@@ -538,17 +590,32 @@ def causal_conv1d(
         initial_state: ``[N, D, W-1]``: the W-1 inputs before each sequence, oldest first; None
             reads zeros there.
         output_final_state: also return each sequence's last W-1 inputs (its next initial state).
+        l2_group: scale every run of ``l2_group`` channels of the output (a head of the delta
+            rules' q and k) to unit L2 norm, ``u / sqrt(sum u^2 + l2_eps)`` after the
+            activation, in fp32: one kernel each way instead of a conv and a norm, and the
+            output before the norm is never stored. None: no norm.
+        l2_eps: added to the sum of squares.
 
     Returns:
         ``(y, final_state)``: y ``[B, T, D]`` in x's dtype; final_state ``[N, D, W-1]`` in x's dtype,
         or None without ``output_final_state``. Gradients flow to x, weight, bias and
         initial_state.
     """
-    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state)
+    check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state, l2_group)
     packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, x.shape[1], device=x.device)
     if kernel_backend(x) == "torch":
-        return torch_causal_conv1d(x, weight, bias, activation, packing, initial_state, output_final_state)
-    y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, packing, activation)
+        return torch_causal_conv1d(
+            x, weight, bias, activation, packing, initial_state, output_final_state, l2_group, l2_eps
+        )
+    l2 = l2_group or 0
+    if l2 & (l2 - 1) or l2 > MAX_L2_GROUP:
+        # the kernel's blocks hold whole groups of a power-of-2 size: norm the conv's output apart
+        y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, packing, activation)
+        y = l2_norm(y.unflatten(-1, (-1, l2)), eps=l2_eps).flatten(-2)
+    else:
+        y, final = _CausalConv1dFunction.apply(
+            x, weight, bias, initial_state, packing, activation, l2, float(l2_eps)
+        )
     return y, final if output_final_state else None
 
 

@@ -142,10 +142,13 @@ class ShortConv(nn.Module):
     conv state; ``cu_seqlens`` keeps documents apart.
     """
 
-    def __init__(self, dim: int, width: int, bias: bool = False):
+    def __init__(self, dim: int, width: int, bias: bool = False, l2_group: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, width))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        # the delta rules' q and k: every head of the output scaled to unit L2 norm by the conv's
+        # own kernels (no separate norm pass, and the output before the norm is never stored)
+        self.l2_group = l2_group
 
     def init_conv_weights(self, init) -> None:
         # nn.Conv1d's default for a depthwise kernel: fan_in = width.
@@ -170,6 +173,8 @@ class ShortConv(nn.Module):
             if state is None:
                 state = x.new_zeros(x.shape[0], x.shape[2], self.weight.shape[1] - 1)
             y, new_state = causal_conv1d_update(x[:, 0], state, self.weight, self.bias, activation="silu")
+            if self.l2_group:
+                y = l2_normalize(y.unflatten(-1, (-1, self.l2_group))).flatten(-2)
             return y[:, None], new_state
         return causal_conv1d(
             x,
@@ -179,6 +184,7 @@ class ShortConv(nn.Module):
             cu_seqlens=cu_seqlens,
             initial_state=state,
             output_final_state=output_final_state,
+            l2_group=self.l2_group,
         )
 
 

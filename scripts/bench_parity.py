@@ -189,6 +189,11 @@ def layer_op(family: str):
     return module, name, getattr(module, name), functools.partial(fla_op, **fla_kwargs) if fla_kwargs else fla_op
 
 
+def mixer_class(module):
+    """The mixer class of a layer module that sets ``qk_l2_norm`` (its q and k L2-normalised)."""
+    return next(c for c in vars(module).values() if isinstance(c, type) and "qk_l2_norm" in vars(c))
+
+
 # Families whose fla layer L2-normalises q and k inside the chunkwise op (use_qk_l2norm_in_kernel).
 L2_IN_KERNEL = ("delta_net", "gated_deltanet", "gated_deltanet_h1")
 
@@ -208,7 +213,7 @@ def swap_in_reference_kernels(config, l2_in_kernel: bool = False) -> None:
     if family in FLA_OPS:
         module, name, _, fla_op = layer_op(family)
         if l2_in_kernel:
-            module.l2_normalize = lambda x: x
+            mixer_class(module).qk_l2_norm = False
             fla_op = functools.partial(fla_op, use_qk_l2norm_in_kernel=True)
         setattr(module, name, fla_op)
     elif family == "mamba2":

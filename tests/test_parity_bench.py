@@ -52,12 +52,12 @@ def test_swap_l2_moves_the_qk_norm_into_flas_op(family, monkeypatch):
     module, name, ttr_op, fla_op = bench_parity.layer_op(family)
     assert "use_qk_l2norm_in_kernel" in inspect.signature(fla_op).parameters
     monkeypatch.setattr(module, name, ttr_op)
-    monkeypatch.setattr(module, "l2_normalize", module.l2_normalize)
+    mixer = bench_parity.mixer_class(module)
+    monkeypatch.setattr(mixer, "qk_l2_norm", True)  # restored after the test
     bench_parity.swap_in_reference_kernels(bench_parity.ttr_config(family, "340m", 8192), l2_in_kernel=True)
     swapped = getattr(module, name)
     assert swapped.func is fla_op and swapped.keywords == {"use_qk_l2norm_in_kernel": True}
-    x = object()
-    assert module.l2_normalize(x) is x
+    assert mixer.qk_l2_norm is False
     with pytest.raises(ValueError, match="gla"):
         bench_parity.swap_in_reference_kernels(bench_parity.ttr_config("gla", "340m", 8192), l2_in_kernel=True)
 

@@ -17,12 +17,13 @@ from torch import nn
 
 from ttr.kernels.delta import chunk_delta_rule, recurrent_delta_rule
 
-from ..modules import RMSNorm, l2_normalize, mask_tokens
+from ..modules import RMSNorm, mask_tokens
 from .linear import LinearMixer
 
 
 class DeltaNet(LinearMixer):
     delta_rule = True
+    qk_l2_norm = True
     input_projections = ("q_proj", "k_proj", "v_proj", "b_proj")
 
     def __init__(self, config, layer_idx: int):
@@ -34,7 +35,6 @@ class DeltaNet(LinearMixer):
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and x.shape[1] == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
-        q, k = l2_normalize(q), l2_normalize(k)
         # fp32: in bf16 a beta near 1 rounds to 1 - 2^-8 or 1, and the sigmoid's backward, which
         # scales the gradient by beta (1 - beta), then gets 1 - beta off by up to 100 %
         beta = torch.sigmoid(p["b_proj"].float())

@@ -12,13 +12,15 @@ from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE
 
-from ..modules import ShortConv, linears, run_short_convs
+from ..modules import ShortConv, l2_normalize, linears, run_short_convs
 from .base import Mixer
 
 
 class LinearMixer(Mixer):
     #: the delta rule's WY terms run on top of the gated linear attention ones
     delta_rule: bool = False
+    # q and k L2-normalised per head (the delta rules): inside the short convs when there are some
+    qk_l2_norm: bool = False
     #: the linear maps of the layer's input, run by one ``linears`` call (one input gradient
     #: accumulated by the matmuls): q, k, v, then a subclass's gate projections
     input_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
@@ -48,9 +50,11 @@ class LinearMixer(Mixer):
         self.q_proj = nn.Linear(d, h * self.head_k, bias=False)
         self.k_proj = nn.Linear(d, h * self.head_k, bias=False)
         self.v_proj = nn.Linear(d, h * self.head_v, bias=False)
+        l2 = self.head_k if self.qk_l2_norm else None
         self.convs = (
             nn.ModuleList(
-                ShortConv(n, config.conv_size) for n in (h * self.head_k, h * self.head_k, h * self.head_v)
+                ShortConv(n, config.conv_size, l2_group=g)
+                for n, g in ((h * self.head_k, l2), (h * self.head_k, l2), (h * self.head_v, None))
             )
             if config.use_short_conv
             else None
@@ -59,8 +63,9 @@ class LinearMixer(Mixer):
         self.o_proj._residual_out = True
 
     def project_qkv(self, x, *, mask, cu_seqlens, layer_cache, decoding):
-        """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled, and
-        the other ``input_projections`` of x by name."""
+        """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled (q and k
+        L2-normalised per head with ``qk_l2_norm``), and the other ``input_projections`` of x by
+        name."""
         b, t, _ = x.shape
         names = self.input_projections
         out = dict(zip(names, linears(x, *(getattr(self, n) for n in names))))
@@ -71,7 +76,10 @@ class LinearMixer(Mixer):
                 decoding=decoding,
             )
         h = self.num_heads
-        return q.view(b, t, h, self.head_k), k.view(b, t, h, self.head_k), v.view(b, t, h, self.head_v), out
+        q, k = q.view(b, t, h, self.head_k), k.view(b, t, h, self.head_k)
+        if self.qk_l2_norm and self.convs is None:
+            q, k = l2_normalize(q), l2_normalize(k)
+        return q, k, v.view(b, t, h, self.head_v), out
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""

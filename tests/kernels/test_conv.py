@@ -89,6 +89,33 @@ def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias)
     check(x, weight, bias if with_bias else None, h0, activation=activation, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("group", [8, 16, 12, 48])
+@pytest.mark.parametrize("packed", [False, True])
+def test_conv_l2_groups(backend, activation, group, packed):
+    """Output normed per run of ``group`` channels: fused in the kernels for powers of 2 (blocks of
+    whole groups), after the conv for 12 and 48; every gradient through the norm's backward."""
+    lens = [2, 17, 1, 0, 3, 30] if packed else [33]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
+    x, weight, bias, h0 = make(1 if packed else 2, sum(lens), 48, 4, n=len(lens) if packed else None)
+    check(x, weight, bias, h0, activation=activation, cu_seqlens=cu if packed else None, l2_group=group)
+
+
+def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
+    """A tuned block narrower than the group still holds whole groups."""
+    monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"BT": 16, "BD": 16})
+    x, weight, bias, h0 = make(2, 37, 64, 4)
+    check(x, weight, bias, h0, activation="silu", l2_group=32)
+
+
+def test_conv_l2_rows_have_unit_norm(backend):
+    x, weight, bias, _ = make(2, 9, 32, 3)
+    y, _ = causal_conv1d(x, weight, bias, activation="silu", l2_group=16)
+    norms = y.unflatten(-1, (2, 16)).norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-4)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_conv_reads_a_column_slice_in_place(backend, packed):
     """x a column slice of a wider projection (Mamba2's xBC): same result as a contiguous x, the
@@ -177,6 +204,9 @@ def test_bad_inputs():
         causal_conv1d_update(x[:, 0], h0[:, :, :1], weight)
     with pytest.raises(TypeError, match="x"):
         causal_conv1d(x.long(), weight)
+    for group in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="l2_group"):
+            causal_conv1d(x, weight, l2_group=group)
 
 
 @pytest.mark.gpu
@@ -199,6 +229,26 @@ def test_conv_gpu(monkeypatch, dtype, w):
         assert torch.equal(final.double(), final_ref)
         for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
             assert rel_rms(a, r) < tol, f"{name}: {rel_rms(a, r)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_l2_gpu(monkeypatch, dtype):
+    """The fused per-head L2 norm of the delta rules' q and k (128 channels) at a real size."""
+    tol = 5e-3 if dtype == torch.float32 else 1e-2
+    lens = [1, 3, 1000, 4096, 2092]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
+    x, weight, bias, h0 = make(1, sum(lens), 2048, 4, n=len(lens), dtype=dtype)
+    out = {}
+    for backend, upcast in (("triton", False), ("torch", True)):
+        monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+        out[backend] = run(causal_conv1d, x, weight, None, h0, upcast=upcast, activation="silu",
+                           cu_seqlens=cu, l2_group=128)
+    (y, _, grads), (y_ref, _, grads_ref) = out["triton"], out["torch"]
+    assert rel_rms(y, y_ref) < tol
+    for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
+        assert (a is None) == (r is None), name
+        assert a is None or rel_rms(a, r) < tol, f"{name}: {rel_rms(a, r)}"
 
 
 @pytest.mark.gpu
