@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import prepare_packing, segments, tuned
-from ttr.kernels.norm import l2_norm
+from ttr.kernels.norm import l2_norm, reference_l2_norm
 from ttr.kernels.utils import (
     check_cu_seqlens,
     check_dtype,
@@ -456,11 +456,9 @@ class _CausalConv1dFunction(torch.autograd.Function):
 
 
 def _l2_groups(y: torch.Tensor, group: int | None, eps: float) -> torch.Tensor:
-    """y ``[..., D]`` with every run of ``group`` channels scaled to unit L2 norm (None: y)."""
-    if not group:
-        return y
-    yg = y.unflatten(-1, (-1, group))
-    return (yg * torch.rsqrt(yg.square().sum(-1, keepdim=True) + eps)).flatten(-2)
+    """y ``[..., D]`` (fp32 or fp64) with every run of ``group`` channels scaled to unit L2 norm
+    by the norm's oracle (None: y)."""
+    return reference_l2_norm(y.unflatten(-1, (-1, group)), eps=eps).flatten(-2) if group else y
 
 
 def reference_causal_conv1d(
