@@ -132,16 +132,15 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     gc = chunk_local_cumsum(dt, plan, scale=A)
     h, _, _ = state_fwd(Bm, v, plan, g=gc)
     cb = grouped.cb_fwd(C, Bm, plan)
-    dvi = grouped.output_bwd_dv(cb, gc, do, plan)
-    dh, _, _ = state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc)
+    dh, _, _ = state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc)
     return {
         "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
         "state_fwd": lambda: state_fwd(Bm, v, plan, g=gc),
         "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
         "ssd_output_fwd": lambda: grouped.output_fwd(C, v, h, cb, gc, plan, x=xs, D=D),
-        "ssd_output_bwd_dv": lambda: grouped.output_bwd_dv(cb, gc, do, plan),
-        "state_bwd": lambda: state_bwd(C, Bm, do, dvi, plan, scale=1.0, g=gc),
+        "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
+        "ssd_rows_bwd": lambda: grouped.rows_bwd(C, Bm, xs, dt, A, D, h, dh, cb, gc, do, plan),
     }
 
 
@@ -196,8 +195,9 @@ SWEEPS = {
                                for bv in (32, 64) for nw in (4, 8) for ns in (1, 2, 3)],
         "ssd_output_fwd": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (32, 64)
                            for nw in (4, 8) for ns in (2, 3)],
-        "ssd_output_bwd_dv": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (32, 64) for nw in (2, 4, 8)
-                              for ns in (1, 2, 3)],
+        # BK 32: an illegal memory access on Hopper (Triton 3.6), as simple GLA's dq/dk stage below
+        "ssd_rows_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
+                         for ns in (1, 2, 3)],
         "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
                    for ns in (1, 2, 3)],
         "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"],

@@ -147,7 +147,7 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
 def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
-                     USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+                     USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -179,7 +179,6 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
             b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
-        b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
@@ -195,11 +194,13 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             if SPLIT:
                 b_kT2, b_e2, b_gk2 = _decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
                 b_q2 = (b_q2 * tl.exp(b_gk2)).to(b_q2.dtype)
-        # dv2 = dv + (k ⊙ decay) dh: the decayed k^T tile is loaded transposed, so k = trans(load)
-        b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
-        if SPLIT:
-            b_dv += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
-        _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+        if USE_DV:
+            # dv2 = dv + (k ⊙ decay) dh: the decayed k^T tile is loaded transposed, so k = trans(load)
+            b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+            b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
+            if SPLIT:
+                b_dv += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
+            _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_G:
             b_dh *= tl.exp(b_gl)
             if SPLIT:
@@ -476,13 +477,17 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
               gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False):
     """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
-    dtype). Without ``w`` and with long sequences the two-level pass (``_two_level``)."""
+    dtype; None when ``dv`` is None, for a caller that forms the state's share of dv itself, which
+    the delta rule, whose ``dh`` reads ``dv2``, cannot). Without ``w`` and with long sequences the
+    two-level pass (``_two_level``)."""
+    if dv is None and w is not None:
+        raise ValueError("state_bwd: the delta rule (w) needs dv")
     if _two_level("state_bwd", w, plan):
         dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
                         stage="state_bwd_scan")
         del dD  # fp32 [NT, H, K, V]: free before dv2 is allocated
-        return dh, dh0, _dv_with_states(k, dh, dv, plan, g=g, gk=gk)
+        return dh, dh0, None if dv is None else _dv_with_states(k, dh, dv, plan, g=g, gk=gk)
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
@@ -490,11 +495,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
     cfg = cfg if split else _checked(_sequential_cfg("state_bwd", **cfg), k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)
-    dv2 = torch.empty_like(dv)
+    dv2 = None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, HK=HK, K=K,
         V=V,
         BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, **cfg)
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, USE_DV=dv is not None, **cfg)
     return dh, dh0, dv2

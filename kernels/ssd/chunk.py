@@ -22,17 +22,16 @@ one autograd node, ``ChunkSSDFunction``, with the state stages above and the int
 for all 64 heads at 1.3B). Forward: ``CB = C B^T`` once per chunk and group (fp32
 ``[NT, G, 64, 64]``), states by ``state_fwd`` (B read by group, ``tile.qk_rows``), then per head
 ``y = (C ⊙ exp(G)) h + (CB ⊙ causal ⊙ Γ) v + D x`` from the CB tile, the skip added in fp32 before
-the output's one rounding. Backward: CB again, the intra-chunk
-``dv = (CB ⊙ causal ⊙ Γ)^T dy``, ``state_bwd`` (``dh``, ``dh0``, the full ``dv``), then one program
-per (chunk, group, N block) walks the group's heads and accumulates dC and dB in registers (the
-gradients through ``C h``, ``B^T v`` and ``M = sum_h (dy_h v_h^T) ⊙ Γ_h``) while it stores each
-head's ``dG`` as above: ``dB``, ``dC [B, T, G, N]`` are written once, with no per-head
-``[B, T, H, N]`` gradients to sum over the group (it forms ``v = x dt`` from x and dt itself). The
+the output's one rounding. Backward: ``state_bwd`` for ``dh`` and ``dh0`` alone, then one program
+per (chunk, group, N block) walks the group's heads and accumulates dC and dB in registers
+(``grouped.output_bwd_dcb``: ``[B, T, G, N]`` written once, no per-head ``[B, T, H, N]`` gradients
+to sum over the group), and one program per (chunk, head) forms the head's full ``dv`` and maps it
+to ``dx = dv dt + D dy``, ``ddt = sum_p dv x + A dg`` and the shares of ``dA = sum dg dt`` and
+``dD = sum dy x`` (``grouped.rows_bwd``, with the gate's gradient ``dg`` of the engine above). The
 chunk cumsum multiplies by ``A`` as it sums and ``v = x dt`` is one row kernel (``scale_rows``) for
-the state pass; the backward's row kernel gives ``dx = dv dt + D dy`` and ``ddt = sum_p dv x + A dg``, then
-``dA = sum dg dt`` and ``dD = sum dy x``. The same map as torch ops around simple GLA would cost a
-sizeable share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and
-sums, and one autograd node per op.
+the state pass. The same map as torch ops around simple GLA would cost a sizeable share of a
+fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and sums, and one autograd
+node per op.
 
 Memory: the backward keeps x, B, C and dt only; ``v`` (where the states are recomputed), the
 cumulative gate and CB are recomputed (a row kernel, a chunk cumsum and a ``64 x 64 x N`` product
@@ -124,31 +123,6 @@ def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl
     tl.store(v + offs, (b_x * b_dt[:, None]).to(v.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def scale_rows_bwd_kernel(x, dt, dv, dg, A, do, D, dx, ddt, dA, dD, R, H: tl.constexpr, P: tl.constexpr,
-                          BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr, HAS_D: tl.constexpr):
-    """``dx = dv dt (+ D[h] do)``, ``ddt = sum_p dv x + dg A[h]`` and this program's parts of
-    ``dA[h] = sum dg dt`` (and ``dD[h] = sum do x``) (row r = (b, t, h) of ``[B, T, H]``: the gate
-    ``g = A dt`` shares dt's rows; ``dA`` and ``dD`` are ``[programs, H]``, summed by the caller)."""
-    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
-    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
-    b_dv = tl.load(dv + offs, mask=m, other=0.).to(tl.float32)
-    b_dx = b_dv * b_dt[:, None]
-    b_h = rows % H
-    o_h = tl.arange(0, BH)
-    m_h = b_h[:, None] == o_h[None, :]  # [BR, BH]
-    if HAS_D:
-        b_do = tl.load(do + offs, mask=m, other=0.).to(tl.float32)
-        b_dx += tl.load(D + b_h, mask=m_r, other=0.)[:, None] * b_do
-        b_dd = tl.sum(tl.where(m_h, tl.sum(b_do * b_x, 1)[:, None], 0.), 0)  # [BH]
-        tl.store(dD + tl.program_id(0) * H + o_h, b_dd, mask=o_h < H)
-    tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=m)
-    b_dg = tl.load(dg + rows, mask=m_r, other=0.)
-    tl.store(ddt + rows, tl.sum(b_dv * b_x, 1) + b_dg * tl.load(A + b_h, mask=m_r, other=0.), mask=m_r)
-    b_da = tl.sum(tl.where(m_h, (b_dg * b_dt)[:, None], 0.), 0)  # [BH]
-    tl.store(dA + tl.program_id(0) * H + o_h, b_da, mask=o_h < H)
-
-
 def _scale_rows_launch(P: int) -> tuple[int, int]:
     BP = max(16, triton.next_power_of_2(P))
     return BP, max(1, 4096 // BP)
@@ -177,35 +151,26 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
 
 def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
     """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; the cumulative gate and ``C B^T`` are
-    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when
-    those were not kept. dB and dC come from ``grouped.output_bwd_dcb`` per group, in B's dtype."""
+    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when those were not kept. dB and dC
+    come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx, ddt, dA and dD from
+    ``grouped.rows_bwd``."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
     do = do.contiguous()
     if h is None:
         h = state_fwd(B, _values(x, dt), plan, g=gc, initial_state=initial_state)[0]
-    dv = grouped.output_bwd_dv(grouped.cb_fwd(C, B, plan), gc, do, plan)
     dht = None if dht is None else dht.contiguous()
-    dh, dh0, dv = state_bwd(C, B, do, dv, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
-    dC, dB, dgc = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
-    del h, dh
-    dg = chunk_local_cumsum(dgc, plan, reverse=True)  # d/d(A dt)
-    dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-    R, H, P = dt.numel(), dt.shape[2], x.shape[-1]
-    BP, BR = _scale_rows_launch(P)
-    dA = dt.new_empty(triton.cdiv(R, BR), H)
-    dD = torch.empty_like(dA) if D is not None else None
-    scale_rows_bwd_kernel[(dA.shape[0],)](x, dt, dv, dg, A, do, D if D is not None else A, dx, ddt, dA,
-                                          dD if dD is not None else dA, R, H=H, P=P, BR=BR, BP=BP,
-                                          BH=triton.next_power_of_2(H), HAS_D=D is not None)
-    return dx, ddt, dA.sum(0), dB, dC, dD.sum(0) if dD is not None else None, dh0
+    dh, dh0, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
+    dC, dB = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    dx, ddt, dA, dD = grouped.rows_bwd(C, B, x, dt, A, D, h, dh, grouped.cb_fwd(C, B, plan), gc, do, plan)
+    return dx, ddt, dA, dB, dC, dD, dh0
 
 
 class ChunkSSDFunction(torch.autograd.Function):
     """Mamba2's SSD as one autograd node over the state stages and ``ssd.grouped`` (module docstring).
     The map costs no torch passes in the forward: the stages read B and C by group, ``A dt`` is
     summed by the chunk cumsum, ``x dt`` is one row kernel and ``D x`` is added by the output stage;
-    the backward adds the row kernel (``dx`` and both parts of ``ddt``, ``dD``) and ``dA``; dB and dC
-    come out per group. Kept for the backward: x, dt, B, C (and the states of long sequences)."""
+    the backward's row stage gives ``dx``, both parts of ``ddt``, ``dA`` and ``dD``; dB and dC come
+    out per group. Kept for the backward: x, dt, B, C (and the states of long sequences)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens):
@@ -221,7 +186,8 @@ class ChunkSSDFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         x, dt, A, B, C, D, initial_state, h = ctx.saved_tensors
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, ctx.plan)
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht,
+                                                     ctx.plan)
         return dx, ddt, dA, dB, dC, dD, dh0, None, None
 
 
@@ -258,7 +224,8 @@ class ChunkConvSSDFunction(torch.autograd.Function):
         xbc, conv_weight, conv_bias, dt, A, D, initial_state, h = ctx.saved_tensors
         x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing), dt.shape[2],
                              ctx.groups, ctx.state_size)
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, ctx.plan)
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht,
+                                                     ctx.plan)
         del x, B, C
         dconv = torch.cat([dx.flatten(2), dB.flatten(2), dC.flatten(2)], dim=-1)
         del dx, dB, dC

@@ -1,8 +1,8 @@
 """SSD's grouped stages (``ttr.kernels.ssd.grouped``): one ``C B^T`` per chunk and group, dB and dC
 accumulated over the heads of a group.
 
-Stage by stage against the generic engine (the same numbers as ``output_fwd``, ``output_bwd_dv`` and
-``output_bwd_dqk`` plus the group sums, dG included, on padded last chunks and packed documents),
+Stage by stage against the generic engine (the same numbers as ``output_fwd``, ``output_bwd_dv`` with
+``state_bwd`` and ``output_bwd_dqk``, plus the group sums and the map to x, dt, A and D, on padded last chunks and packed documents),
 then ``chunk_ssd`` / ``chunk_conv_ssd`` against the float64 oracle: groups 1, between and H, state
 sizes split over two N blocks and head dims that are not powers of two, packing, initial and final
 states, strong decay, the kept-states path and fp16. GPU cases at Mamba2-1.3B's shapes (``-m gpu``).
@@ -38,9 +38,10 @@ def cu_of(lengths):
     ids=["batch2-G1", "packed-G2-Nsplit", "G=H-strong-decay"],
 )
 def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
-    """The grouped stages give the generic stages' numbers on the same inputs: y (and y + D x), the
-    intra-chunk dv, dC and dB (the engine's per-head dq, dk summed over each group) and the cumulative-gate
-    gradient, padded rows of last chunks (T = 65, 72, 100) and strong decay (dt_max 8) included."""
+    """The grouped stages give the generic stages' numbers on the same inputs: y (and y + D x), dC and
+    dB (the engine's per-head dq, dk summed over each group), and the row stage's dx, ddt, dA and dD
+    from the engine's full dv and gate gradient; the state gradient without dv is the same; padded
+    rows of last chunks (T = 65, 72, 100) and strong decay (dt_max 8) included."""
     cu = None if lengths is None else cu_of(lengths)
     n = batch if cu is None else len(lengths)
     (x, dt, A, B, C), h0 = ssd_inputs(batch, T, H, G, N, P, h0=True, n=n, dt_max=dt_max)
@@ -54,14 +55,22 @@ def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
     torch.testing.assert_close(grouped.output_fwd(C, v, h, cb, gc, plan), y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped.output_fwd(C, v, h, cb, gc, plan, x=x, D=D), y + D[:, None] * x, rtol=1e-5,
                                atol=1e-5)
-    dv = grouped.output_bwd_dv(cb, gc, do, plan)
-    torch.testing.assert_close(dv, output_bwd_dv(C, B, do, plan, scale=1.0, g=gc), rtol=1e-5, atol=1e-5)
-    dh, _, _ = state_bwd(C, B, do, dv, plan, scale=1.0, g=gc, dht=dht)
-    dC, dB, dG = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
-    dq, dk, _, dg = output_bwd_dqk(C, B, v, h, dh, do, plan, scale=1.0, g=gc)
+    dh, _, dv = state_bwd(C, B, do, output_bwd_dv(C, B, do, plan, scale=1.0, g=gc), plan, scale=1.0, g=gc,
+                          dht=dht)
+    dh_alone, _, none = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht)
+    assert none is None and torch.equal(dh_alone, dh)
+    dC, dB = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    dq, dk, _, dgc = output_bwd_dqk(C, B, v, h, dh, do, plan, scale=1.0, g=gc)
     torch.testing.assert_close(dC, dq.view(batch, T, G, H // G, N).sum(3), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(dB, dk.view(batch, T, G, H // G, N).sum(3), rtol=1e-5, atol=1e-4)
-    assert rel_rms(dG, dg) < 1e-5
+    # the row stage: the engine's full dv and gate gradient, mapped back to x, dt, A and D
+    dg = chunk_local_cumsum(dgc, plan, reverse=True)
+    dx, ddt, dA, dD = grouped.rows_bwd(C, B, x, dt, A, D, h, dh, cb, gc, do, plan)
+    torch.testing.assert_close(dx, dv * dt[..., None] + D[:, None] * do, rtol=1e-5, atol=1e-4)
+    assert rel_rms(ddt, (dv * x).sum(-1) + A * dg) < 1e-5
+    # dA sums signed terms over every token, in another order than the engine's: fp32 cancellation
+    assert rel_rms(dA, (dg * dt).sum((0, 1))) < 5e-4
+    torch.testing.assert_close(dD, (do * x).sum((0, 1, 3)), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("t", [15, 130])
