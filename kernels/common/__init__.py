@@ -31,7 +31,8 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``h <- exp(g_last) h + (k ⊙ exp(g_last - g))^T v_new`` (per key row with ``gk``).
 - ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
   need_dh0=False) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state *after* chunk c,
-  ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its full gradient.
+  ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its full gradient
+  (``dv=None``, without ``w``: dh alone and ``dv2`` None, for a caller that forms it itself).
 - ``output.output_fwd(q, k, v_new, h, plan, *, scale, g=None) -> o``:
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of

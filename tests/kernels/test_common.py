@@ -154,6 +154,26 @@ def test_delta_state_pass_with_w(K):
     assert rel(v_new[0].transpose(0, 1), torch.cat(news, 1)) < 1e-5
 
 
+@pytest.mark.parametrize("two_level", [False, True])
+def test_state_backward_without_dv(monkeypatch, two_level):
+    """``dv=None`` gives the same dh and no dv2 on both state passes; the delta rule, whose dh reads
+    dv2, refuses it."""
+    from ttr.kernels.common import state
+
+    monkeypatch.setattr(state, "_two_level", lambda *a, **k: two_level)
+    B, T, H, K, V = 1, 130, 2, 32, 16
+    q, k, do, dv = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V), torch.randn(B, T, H, V)
+    plan = prepare_chunks(None, B, T)
+    gc = chunk_local_cumsum(F.logsigmoid(torch.randn(B, T, H) + 2), plan)
+    dh, dh0, dv2 = state_bwd(q, k, do, dv, plan, scale=0.5, g=gc, need_dh0=True)
+    dh_alone, dh0_alone, none = state_bwd(q, k, do, None, plan, scale=0.5, g=gc, need_dh0=True)
+    assert none is None and dv2 is not None
+    torch.testing.assert_close(dh_alone, dh)
+    torch.testing.assert_close(dh0_alone, dh0)
+    with pytest.raises(ValueError, match="needs dv"):
+        state_bwd(q, k, do, None, plan, scale=0.5, w=torch.randn(B, T, H, K))
+
+
 def test_state_pass_refuses_the_wrong_launch_shape():
     """16-bit inputs with one pipeline stage and BV < 64 gave wrong states on the H200."""
     from ttr.kernels.common.state import _checked
