@@ -151,9 +151,9 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
 
 def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
     """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; the cumulative gate and ``C B^T`` are
-    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when those were not kept. dB and dC
-    come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx, ddt, dA and dD from
-    ``grouped.rows_bwd``."""
+    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when
+    those were not kept. dB and dC come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx,
+    ddt, dA and dD from ``grouped.rows_bwd``."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
     do = do.contiguous()
     if h is None:
