@@ -44,6 +44,20 @@ ACTIVATIONS = (None, "silu")
 MAX_L2_GROUP = 256
 
 
+def _check_l2_group(l2_group, d: int) -> None:
+    if l2_group is not None and (
+        isinstance(l2_group, bool) or not isinstance(l2_group, int) or l2_group < 1 or d % l2_group
+    ):
+        raise ValueError(f"l2_group must be a positive int dividing D={d}, got {l2_group!r}")
+
+
+def _norm_groups(y: torch.Tensor, group: int | None, eps: float, norm=l2_norm) -> torch.Tensor:
+    """y ``[..., D]`` with every run of ``group`` channels scaled to unit L2 norm (None: y): by
+    ``l2_norm`` for the groups the fused kernels do not take and the decoding step, by the norm's
+    oracle (``norm=reference_l2_norm``) in the conv's own oracle and torch backend."""
+    return norm(y.unflatten(-1, (-1, group)), eps=eps).flatten(-2) if group else y
+
+
 def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state, l2_group=None) -> int:
     """Validate causal_conv1d's arguments; return the number of sequences N."""
     check_rank("x", x, 3, "[B, T, D]")
@@ -63,10 +77,7 @@ def check_conv_inputs(x, weight, bias, activation, cu_seqlens, initial_state, l2
             raise ValueError(f"bias must have shape [D] = [{d}], got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if l2_group is not None and (
-        isinstance(l2_group, bool) or not isinstance(l2_group, int) or l2_group < 1 or d % l2_group
-    ):
-        raise ValueError(f"l2_group must be a positive int dividing D={d}, got {l2_group!r}")
+    _check_l2_group(l2_group, d)
     n = check_cu_seqlens(cu_seqlens, b, t)
     if initial_state is not None:
         check_rank("initial_state", initial_state, 3, "[N, D, W-1]")
@@ -455,12 +466,6 @@ class _CausalConv1dFunction(torch.autograd.Function):
         return dx, dw, db, dinit, None, None, None, None
 
 
-def _l2_groups(y: torch.Tensor, group: int | None, eps: float) -> torch.Tensor:
-    """y ``[..., D]`` (fp32 or fp64) with every run of ``group`` channels scaled to unit L2 norm
-    by the norm's oracle (None: y)."""
-    return reference_l2_norm(y.unflatten(-1, (-1, group)), eps=eps).flatten(-2) if group else y
-
-
 def reference_causal_conv1d(
     x, weight, bias=None, *, activation=None, cu_seqlens=None, initial_state=None, output_final_state=False,
     l2_group=None, l2_eps=1e-6,
@@ -493,7 +498,7 @@ def reference_causal_conv1d(
                 acc = acc + bias.to(dt)
             if activation == "silu":
                 acc = F.silu(acc)
-            rows.append(_l2_groups(acc, l2_group, l2_eps))
+            rows.append(_norm_groups(acc, l2_group, l2_eps, reference_l2_norm))
         if rows:
             y[i_b, bos:eos] = torch.stack(rows)
         final.append(seq[seq.shape[0] - (w - 1) :].transpose(0, 1))
@@ -540,7 +545,7 @@ def torch_causal_conv1d(
         acc = acc + bias.to(dt)
     if activation == "silu":
         acc = F.silu(acc)
-    y = _l2_groups(acc, l2_group, l2_eps).to(x.dtype)
+    y = _norm_groups(acc, l2_group, l2_eps, reference_l2_norm).to(x.dtype)
     if not output_final_state:
         return y, None
     return y, _final_state(x, initial_state, packing, w)
@@ -609,7 +614,7 @@ def causal_conv1d(
     if l2 & (l2 - 1) or l2 > MAX_L2_GROUP:
         # the kernel's blocks hold whole groups of a power-of-2 size: norm the conv's output apart
         y, final = _CausalConv1dFunction.apply(x, weight, bias, initial_state, packing, activation)
-        y = l2_norm(y.unflatten(-1, (-1, l2)), eps=l2_eps).flatten(-2)
+        y = _norm_groups(y, l2, l2_eps)
     else:
         y, final = _CausalConv1dFunction.apply(
             x, weight, bias, initial_state, packing, activation, l2, float(l2_eps)
@@ -617,7 +622,7 @@ def causal_conv1d(
     return y, final if output_final_state else None
 
 
-def _check_update(x, conv_state, weight, bias, activation) -> None:
+def _check_update(x, conv_state, weight, bias, activation, l2_group=None) -> None:
     check_rank("x", x, 2, "[B, D]")
     check_dtype("x", x)
     check_rank("weight", weight, 2, "[D, W]")
@@ -636,6 +641,7 @@ def _check_update(x, conv_state, weight, bias, activation) -> None:
             raise ValueError(f"bias must have shape [D] = [{d}], got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_l2_group(l2_group, d)
 
 
 def _torch_causal_conv1d_update(x, conv_state, weight, bias, activation):
@@ -649,23 +655,8 @@ def _torch_causal_conv1d_update(x, conv_state, weight, bias, activation):
     return acc.to(x.dtype), window[..., 1:].to(conv_state.dtype)
 
 
-@on_input_device
-def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None):
-    """One decoding step of ``causal_conv1d``: one token against the last W-1 inputs.
-
-    The Triton kernel is forward-only (decoding); when a gradient is needed the torch
-    implementation runs instead (same fp32 arithmetic).
-
-    Args:
-        x: ``[B, D]``, the new token of each sequence.
-        conv_state: ``[B, D, W-1]``, the W-1 inputs before it, oldest first; not modified.
-        weight, bias, activation: as in ``causal_conv1d``.
-
-    Returns:
-        ``(y [B, D] in x's dtype, new_conv_state [B, D, W-1] in conv_state's dtype)``, the state
-        shifted by one token.
-    """
-    _check_update(x, conv_state, weight, bias, activation)
+def _conv_update(x, conv_state, weight, bias, activation):
+    """The decoding step's conv: the Triton kernel, or the torch version when a gradient is needed."""
     needs_grad = torch.is_grad_enabled() and any(
         a is not None and a.requires_grad for a in (x, conv_state, weight, bias)
     )
@@ -681,3 +672,25 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None):
         W=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", BD=bd,
     )  # fmt: skip
     return y, new_state
+
+
+@on_input_device
+def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation=None, l2_group=None, l2_eps=1e-6):
+    """One decoding step of ``causal_conv1d``: one token against the last W-1 inputs.
+
+    The Triton kernel is forward-only (decoding); when a gradient is needed the torch
+    implementation runs instead (same fp32 arithmetic).
+
+    Args:
+        x: ``[B, D]``, the new token of each sequence.
+        conv_state: ``[B, D, W-1]``, the W-1 inputs before it, oldest first; not modified.
+        weight, bias, activation, l2_group, l2_eps: as in ``causal_conv1d`` (the norm runs after
+            the step's kernel).
+
+    Returns:
+        ``(y [B, D] in x's dtype, new_conv_state [B, D, W-1] in conv_state's dtype)``, the state
+        shifted by one token.
+    """
+    _check_update(x, conv_state, weight, bias, activation, l2_group)
+    y, new_state = _conv_update(x, conv_state, weight, bias, activation)
+    return _norm_groups(y, l2_group, l2_eps), new_state

@@ -172,9 +172,8 @@ class ShortConv(nn.Module):
         if decoding:
             if state is None:
                 state = x.new_zeros(x.shape[0], x.shape[2], self.weight.shape[1] - 1)
-            y, new_state = causal_conv1d_update(x[:, 0], state, self.weight, self.bias, activation="silu")
-            if self.l2_group:
-                y = l2_normalize(y.unflatten(-1, (-1, self.l2_group))).flatten(-2)
+            y, new_state = causal_conv1d_update(x[:, 0], state, self.weight, self.bias, activation="silu",
+                                                l2_group=self.l2_group)
             return y[:, None], new_state
         return causal_conv1d(
             x,

@@ -168,6 +168,19 @@ def test_update_matches_full_conv(backend, w):
     assert torch.equal(state, final_ref)
 
 
+def test_update_with_l2_groups_matches_full_conv(backend):
+    """The decoding step with the q/k head norm gives the full conv's normalised rows."""
+    x, weight, bias, h0 = make(2, 5, 32, 4)
+    y_ref, _ = reference_causal_conv1d(x, weight, bias, activation="silu", initial_state=h0, l2_group=8)
+    state, ys = h0.clone(), []
+    for i in range(x.shape[1]):
+        y_t, state = causal_conv1d_update(x[:, i], state, weight, bias, activation="silu", l2_group=8)
+        ys.append(y_t)
+    assert rel_rms(torch.stack(ys, 1), y_ref) < TOL
+    with pytest.raises(ValueError, match="l2_group"):
+        causal_conv1d_update(x[:, 0], h0, weight, l2_group=5)
+
+
 def test_update_does_not_modify_state(backend):
     x, weight, _, h0 = make(2, 1, 8, 3)
     kept = h0.clone()
