@@ -133,6 +133,7 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     h, _, _ = state_fwd(Bm, v, plan, g=gc)
     cb = grouped.cb_fwd(C, Bm, plan)
     dh, _, _ = state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc)
+    terms = grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan)[2]
     return {
         "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
         "state_fwd": lambda: state_fwd(Bm, v, plan, g=gc),
@@ -140,7 +141,7 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
         "ssd_output_fwd": lambda: grouped.output_fwd(C, v, h, cb, gc, plan, x=xs, D=D),
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
-        "ssd_rows_bwd": lambda: grouped.rows_bwd(C, Bm, xs, dt, A, D, h, dh, cb, gc, do, plan),
+        "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
     }
 
 

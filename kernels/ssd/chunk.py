@@ -160,8 +160,8 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
         h = state_fwd(B, _values(x, dt), plan, g=gc, initial_state=initial_state)[0]
     dht = None if dht is None else dht.contiguous()
     dh, dh0, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
-    dC, dB = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
-    dx, ddt, dA, dD = grouped.rows_bwd(C, B, x, dt, A, D, h, dh, grouped.cb_fwd(C, B, plan), gc, do, plan)
+    dC, dB, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    dx, ddt, dA, dD = grouped.rows_bwd(B, x, dt, A, D, dh, grouped.cb_fwd(C, B, plan), gc, do, terms, plan)
     return dx, ddt, dA, dB, dC, dD, dh0
 
 

@@ -17,7 +17,11 @@ causal triangle ``j <= i`` (formed as a masked difference, exponent <= 0):
   ``dB_inter^T = sum_h dh_h (v_h ⊙ exp(G_last - G))^T`` and ``M = sum_h (dy_h v_h^T) ⊙ Γ_h``, then
   writes ``dC = dC_inter + M B`` and ``dB = dB_inter + M^T C`` as ``[B, T, G, N]``: no per-head
   ``dq``/``dk``, no group sum. It reads x and dt instead of v: ``v = x dt`` and the gate's factors
-  are row and column scales of each head's products, whose operands are the tiles as loaded.
+  are row and column scales of each head's products, whose operands are the tiles as loaded. On the
+  way it writes each head's state terms of the gate's gradient for the row stage, which then needs
+  neither C nor the states h: ``C_i·(dy_h h_h^T)_i`` (``dy·y^inter`` without its ``exp(G_i)``) and
+  ``<h_h, dh_h>``, per block of N (the products are the ones dC needs; the row stage would form a
+  ``[BT, N] x [N, P]`` product of its own for them).
 - ``rows_bwd``: one program per (chunk, head) forms the head's full value gradient
   ``dv = (CB ⊙ Γ_h)^T dy_h + (B ⊙ exp(G_last - G)) dh_h`` (the state pass leaves that share to it)
   and from it ``dx = dv dt + D dy``, ``ddt = sum_p dv x + A dg``, the chunk's shares of
@@ -111,10 +115,11 @@ def output_fwd_kernel(C, v, h, cb, g, x, D, o, cu_seqlens, chunk_indices, H: tl.
 
 
 @triton.jit
-def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, cu_seqlens, chunk_indices, H: tl.constexpr,
-                          G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr):
+def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices,
+                          H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr):
     i_k, i_t, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NT = tl.num_programs(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
@@ -124,6 +129,8 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, cu_seqlens, chunk_i
     b_dc = tl.zeros([BT, BK], dtype=tl.float32)
     b_dbT = tl.zeros([BK, BT], dtype=tl.float32)
     b_m = tl.zeros([BT, BT], dtype=tl.float32)
+    p_c, m_c = tile(qk_rows(C, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
+    b_c = tl.load(p_c, mask=m_c, other=0.)  # [BT, BK]
     for i_j in range(H // G):
         i_h = i_r * (H // G) + i_j
         p_hb = h + (i_t.to(tl.int64) * H + i_h) * N * P
@@ -135,6 +142,7 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, cu_seqlens, chunk_i
         b_ds = tl.zeros([BT, BT], dtype=tl.float32)
         b_dch = tl.zeros([BT, BK], dtype=tl.float32)
         b_dbh = tl.zeros([BK, BT], dtype=tl.float32)
+        b_hdh = tl.zeros([BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(P, BV)):
             p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
             p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
@@ -142,16 +150,21 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, cu_seqlens, chunk_i
             p_dh, m_dh = tile(p_dhb, i_k * BK, i_v * BV, N, P, P, 1, BK, BV)
             b_xT = tl.trans(tl.load(p_x, mask=m_x, other=0.))
             b_do = tl.load(p_do, mask=m_do, other=0.)  # [BT, BV]
+            b_h = tl.load(p_h, mask=m_h, other=0.)
+            b_dh = tl.load(p_dh, mask=m_dh, other=0.)
             b_ds += tl.dot(b_do, b_xT)
-            b_dch += tl.dot(b_do, tl.trans(tl.load(p_h, mask=m_h, other=0.)))
-            b_dbh += tl.dot(tl.load(p_dh, mask=m_dh, other=0.), b_xT)
+            b_dch += tl.dot(b_do, tl.trans(b_h))
+            b_dbh += tl.dot(b_dh, b_xT)
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        # the row stage's state terms of the gate's gradient, this N block's share: dy_i·y^inter_i
+        # without its exp(G_i) (C_i·(dy h^T)_i) and <h, dh>
+        tl.store(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, tl.sum(b_c * b_dch, 1), mask=m_t)
+        tl.store(hdh + (i_k * NT + i_t) * H + i_h, tl.sum(b_hdh, 0))
         b_dc += b_dch * tl.exp(b_g)[:, None]
         b_dbT += b_dbh * (b_dt * tl.exp(tl.load(g + (bos + last) * H + i_h) - b_g))[None, :]
         b_ds *= b_dt[None, :]  # dy v^T, v = x dt
         b_m += tl.where(m_A, b_ds * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.)), 0.)  # M_h
-    p_c, m_c = tile(qk_rows(C, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
     p_bT, m_bT = tile(qk_rows(B, bos, i_r, G, G, N), i_k * BK, i_c * BT, N, T, 1, G * N, BK, BT)
-    b_c = tl.load(p_c, mask=m_c, other=0.)  # [BT, BK]
     b_bT = tl.load(p_bT, mask=m_bT, other=0.)  # [BK, BT]
     b_dc += tl.dot(b_m.to(b_bT.dtype), tl.trans(b_bT))
     b_dbT += tl.dot(tl.trans(b_c), b_m.to(b_c.dtype))
@@ -162,30 +175,29 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, cu_seqlens, chunk_i
 
 
 @triton.jit
-def rows_bwd_kernel(C, B, x, dt, h, dh, cb, g, do, A, D, dx, ddt, dA, dD, cu_seqlens, chunk_indices,
+def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R, cu_seqlens, chunk_indices,
                     H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, BP: tl.constexpr, HAS_D: tl.constexpr):
+                    BK: tl.constexpr, BP: tl.constexpr, NK: tl.constexpr, HAS_D: tl.constexpr):
     """One chunk of one head, every value column (module docstring): ``dv``, then ``dx``, ``ddt``, the
-    gate's gradient and this chunk's shares of ``dA`` and ``dD`` (``[NT, H]``, summed by the caller)."""
+    gate's gradient and this chunk's shares of ``dA`` and ``dD`` (``[NT, H]``, summed by the caller).
+    The state terms ``dy·y^inter`` and ``<h, dh>`` come from the dB/dC stage (``NK`` N blocks each)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
+    NT = tl.num_programs(0)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
     last = tl.minimum((i_c + 1) * BT, T) - 1
-    b_y = tl.zeros([BT, BP], dtype=tl.float32)
     b_dv = tl.zeros([BT, BP], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_k in range(tl.cdiv(N, BK)):
-        p_c, m_c = tile(qk_rows(C, bos, i_h, H, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
         p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
-        p_h, m_h = tile(h + (i_t.to(tl.int64) * H + i_h) * N * P, i_k * BK, 0, N, P, P, 1, BK, BP)
         p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, i_k * BK, 0, N, P, P, 1, BK, BP)
-        b_h = tl.load(p_h, mask=m_h, other=0.)
-        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
-        b_y += tl.dot(tl.load(p_c, mask=m_c, other=0.), b_h)
-        b_dv += tl.dot(tl.load(p_b, mask=m_b, other=0.), b_dh)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        b_dv += tl.dot(tl.load(p_b, mask=m_b, other=0.), tl.load(p_dh, mask=m_dh, other=0.))
+    b_ydo = tl.zeros([BT], dtype=tl.float32)
+    b_hdh = 0.
+    for i_k in range(NK):
+        b_ydo += tl.load(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_hdh += tl.load(hdh + (i_k * NT + i_t) * H + i_h)
     b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
     b_gl = tl.load(g + (bos + last) * H + i_h)
     p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
@@ -193,14 +205,13 @@ def rows_bwd_kernel(C, B, x, dt, h, dh, cb, g, do, A, D, dx, ddt, dA, dD, cu_seq
     b_x = tl.load(p_x, mask=m_x, other=0.)
     b_do = tl.load(p_do, mask=m_do, other=0.)
     b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
-    b_v = (b_x * b_dt[:, None]).to(b_x.dtype)  # the forward's v = x dt, rounded as it was
-    b_y *= tl.exp(b_g)[:, None]  # the part of y from the state before the chunk
-    b_dv *= tl.exp(b_gl - b_g)[:, None]  # the part of dv from the state after it
-    b_p = b_A * tl.dot(b_do, tl.trans(b_v))  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
-    b_vdv = tl.sum(b_v.to(tl.float32) * b_dv, 1)
-    b_dG = tl.sum(b_do.to(tl.float32) * b_y, 1) - b_vdv + tl.sum(b_p, 1) - tl.sum(b_p, 0)
+    b_dv *= tl.exp(b_gl - b_g)[:, None]  # the part of dv from the state after the chunk
+    # v = x dt as a column scale of dy x^T and a row scale of x·dv (the dB/dC stage's v, in fp32)
+    b_p = b_A * tl.dot(b_do, tl.trans(b_x)) * b_dt[None, :]  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
+    b_vdv = b_dt * tl.sum(b_x.to(tl.float32) * b_dv, 1)
+    b_dG = b_ydo * tl.exp(b_g) - b_vdv + tl.sum(b_p, 1) - tl.sum(b_p, 0)
     # the state after the chunk, exp(G_last) h + sum_j exp(G_last - G_j) B_j v_j^T, on its last row
-    b_dG += tl.where(i_c * BT + o_i == last, tl.exp(b_gl) * tl.sum(b_hdh, 0) + tl.sum(b_vdv, 0), 0.)
+    b_dG += tl.where(i_c * BT + o_i == last, tl.exp(b_gl) * b_hdh + tl.sum(b_vdv, 0), 0.)
     b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG  # d/d(A dt): the reverse sum inside the chunk
     b_dv += tl.dot(tl.trans(b_A).to(b_do.dtype), b_do)
     b_x = b_x.to(tl.float32)
@@ -209,8 +220,8 @@ def rows_bwd_kernel(C, B, x, dt, h, dh, cb, g, do, A, D, dx, ddt, dA, dD, cu_seq
     if HAS_D:
         b_dx += tl.load(D + i_h) * b_do
         tl.store(dD + i_t * H + i_h, tl.sum(tl.sum(b_do * b_x, 1), 0))
-    p_dx, _ = tile(dx + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
-    tl.store(p_dx, b_dx.to(p_dx.dtype.element_ty), mask=m_x)
+    p_dx, m_dx = tile(dx + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
+    tl.store(p_dx, b_dx.to(p_dx.dtype.element_ty), mask=m_dx)
     b_dg = tl.where(m_t, b_dg, 0.)
     tl.store(ddt + (bos + i_c * BT + o_i) * H + i_h, tl.sum(b_dv * b_x, 1) + tl.load(A + i_h) * b_dg, mask=m_t)
     tl.store(dA + i_t * H + i_h, tl.sum(b_dg * b_dt, 0))
@@ -245,8 +256,9 @@ def output_fwd(C: torch.Tensor, v: torch.Tensor, h: torch.Tensor, cb: torch.Tens
 
 def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tensor,
                    dh: torch.Tensor, do: torch.Tensor, g: torch.Tensor, plan: ChunkPlan):
-    """Returns ``(dC, dB)``, ``[B, T, G, N]`` in C's dtype: the gradients through the output (``dB``
-    includes the state's ``v ⊙ exp(G_last - G) dh`` part). ``v = x dt`` enters as a scale of the
+    """Returns ``(dC, dB, terms)``: ``dC``, ``dB`` ``[B, T, G, N]`` in C's dtype, the gradients through
+    the output (``dB`` includes the state's ``v ⊙ exp(G_last - G) dh`` part), and the row stage's
+    state terms (``rows_bwd``'s ``terms``). ``v = x dt`` enters as a scale of the
     products with x in fp32 (not rounded to x's dtype as the forward's v), so a backward from kept
     states needs no ``v`` tensor; the gate's gradient is the row pass's (``chunk._ssd_backward``)."""
     _, _, G, N = C.shape
@@ -257,24 +269,31 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # one at Mamba2-1.3B's shape, 8 x 2048, on an H200 (0.56 for BK 128, 0.67 on 4 warps)
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=8, num_stages=2)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
-    output_bwd_dcb_kernel[(triton.cdiv(N, cfg["BK"]), plan.num_chunks, G)](
-        C, B, x, dt, h, dh, do, g, dC, dB, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
-        BT=plan.chunk_size, **cfg)
-    return dC, dB
+    NK = triton.cdiv(N, cfg["BK"])
+    # per N block: dy·y^inter without exp(G) [NK, B, T, H] and <h, dh> [NK, NT, H], fp32
+    ydo = dt.new_empty(NK, *dt.shape, dtype=torch.float32)
+    hdh = dt.new_empty(NK, plan.num_chunks, H, dtype=torch.float32)
+    output_bwd_dcb_kernel[(NK, plan.num_chunks, G)](
+        C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, dt.numel() // H, plan.cu_seqlens, plan.chunk_indices,
+        H=H, G=G, N=N, P=P, BT=plan.chunk_size, **cfg)
+    return dC, dB, (ydo, hdh)
 
 
-def rows_bwd(C, B, x, dt, A, D, h, dh, cb, g, do, plan: ChunkPlan):
-    """``rows_bwd_kernel`` over every chunk and head: ``(dx, ddt, dA, dD or None)``."""
-    _, _, G, N = C.shape
+def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
+    """``rows_bwd_kernel`` over every chunk and head: ``(dx, ddt, dA, dD or None)``; ``terms`` are the
+    state terms of the gate's gradient that ``output_bwd_dcb`` returns."""
+    _, _, G, N = B.shape
+    ydo, hdh = terms
     H, P = x.shape[2:]
     NT = plan.num_chunks
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dA = dt.new_empty(NT, H)
     dD = dt.new_empty(NT, H) if D is not None else None
-    # one N block of 128 on 4 warps, 2 stages: 0.845 ms at 8 x 2048 at Mamba2-1.3B's shape on an H200,
-    # against 0.920 for BK 64 and 1.19 - 1.27 on 8 warps
+    # one N block of 128 on 4 warps: 0.635 ms at 8 x 2048 at Mamba2-1.3B's shape on an H200 (1 - 3
+    # stages alike), against 0.726 for BK 64 and 0.954 on 8 warps
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2)
-    rows_bwd_kernel[(NT, H)](C, B, x, dt, h, dh, cb, g, do, A, D, dx, ddt, dA, dD if dD is not None else dA,
-                             plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
-                             BP=max(16, triton.next_power_of_2(P)), HAS_D=D is not None, **cfg)
+    rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
+                             dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
+                             BT=plan.chunk_size, BP=max(16, triton.next_power_of_2(P)), NK=ydo.shape[0],
+                             HAS_D=D is not None, **cfg)
     return dx, ddt, dA.sum(0), None if dD is None else dD.sum(0)

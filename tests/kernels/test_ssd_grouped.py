@@ -39,9 +39,10 @@ def cu_of(lengths):
 )
 def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
     """The grouped stages give the generic stages' numbers on the same inputs: y (and y + D x), dC and
-    dB (the engine's per-head dq, dk summed over each group), and the row stage's dx, ddt, dA and dD
-    from the engine's full dv and gate gradient; the state gradient without dv is the same; padded
-    rows of last chunks (T = 65, 72, 100) and strong decay (dt_max 8) included."""
+    dB (the engine's per-head dq, dk summed over each group) with the state terms for the row stage,
+    and the row stage's dx, ddt, dA and dD from the engine's full dv and gate gradient; the state
+    gradient without dv is the same; padded rows of last chunks (T = 65, 72, 100) and strong decay
+    (dt_max 8) included."""
     cu = None if lengths is None else cu_of(lengths)
     n = batch if cu is None else len(lengths)
     (x, dt, A, B, C), h0 = ssd_inputs(batch, T, H, G, N, P, h0=True, n=n, dt_max=dt_max)
@@ -59,13 +60,17 @@ def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
                           dht=dht)
     dh_alone, _, none = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht)
     assert none is None and torch.equal(dh_alone, dh)
-    dC, dB = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    dC, dB, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
     dq, dk, _, dgc = output_bwd_dqk(C, B, v, h, dh, do, plan, scale=1.0, g=gc)
     torch.testing.assert_close(dC, dq.view(batch, T, G, H // G, N).sum(3), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(dB, dk.view(batch, T, G, H // G, N).sum(3), rtol=1e-5, atol=1e-4)
+    # the state terms it hands the row stage, summed over its N blocks: dy·(C h) and <h, dh>
+    y_inter = output_fwd(C, B, torch.zeros_like(v), h, plan, scale=1.0, g=torch.zeros_like(gc))
+    torch.testing.assert_close(terms[0].sum(0), (do * y_inter).sum(-1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(terms[1].sum(0), (h * dh).sum((-2, -1)), rtol=1e-5, atol=1e-4)
     # the row stage: the engine's full dv and gate gradient, mapped back to x, dt, A and D
     dg = chunk_local_cumsum(dgc, plan, reverse=True)
-    dx, ddt, dA, dD = grouped.rows_bwd(C, B, x, dt, A, D, h, dh, cb, gc, do, plan)
+    dx, ddt, dA, dD = grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan)
     torch.testing.assert_close(dx, dv * dt[..., None] + D[:, None] * do, rtol=1e-5, atol=1e-4)
     assert rel_rms(ddt, (dv * x).sum(-1) + A * dg) < 1e-5
     # dA sums signed terms over every token, in another order than the engine's: fp32 cancellation
