@@ -258,15 +258,16 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
                    dh: torch.Tensor, do: torch.Tensor, g: torch.Tensor, plan: ChunkPlan):
     """Returns ``(dC, dB, terms)``: ``dC``, ``dB`` ``[B, T, G, N]`` in C's dtype, the gradients through
     the output (``dB`` includes the state's ``v ⊙ exp(G_last - G) dh`` part), and the row stage's
-    state terms (``rows_bwd``'s ``terms``). ``v = x dt`` enters as a scale of the
-    products with x in fp32 (not rounded to x's dtype as the forward's v), so a backward from kept
-    states needs no ``v`` tensor; the gate's gradient is the row pass's (``chunk._ssd_backward``)."""
+    state terms (``rows_bwd``'s ``terms``). ``v = x dt`` enters as a scale of the products with x in
+    fp32 (not rounded to x's dtype as the forward's v), so a backward from kept states needs no ``v``
+    tensor; the gate's gradient is the row stage's (``chunk._ssd_backward``)."""
     _, _, G, N = C.shape
     H, P = x.shape[2:]
     # BK 64: the two fp32 accumulators of [BT, 64] and M [BT, BT] with the per-head products fit the
     # registers of 8 warps; N = 128 runs as two programs per chunk, which recompute dy v^T per head.
     # Two stages stage the next head's tiles during this head's products: 0.50 ms against 0.73 for
-    # one at Mamba2-1.3B's shape, 8 x 2048, on an H200 (0.56 for BK 128, 0.67 on 4 warps)
+    # one at Mamba2-1.3B's shape, 8 x 2048, on an H200 (0.56 for BK 128, 0.67 on 4 warps), measured
+    # before the row stage's terms were added (0.58 ms with them)
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=8, num_stages=2)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     NK = triton.cdiv(N, cfg["BK"])
