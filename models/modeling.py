@@ -144,6 +144,20 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | N
     return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
 
 
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache``
+# (``generate`` passes ``cache=``; the old name still works there, with a deprecation warning). The
+# model takes either name and fills the output field of the installed version.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(past_key_values, kwargs: dict):
+    """The cache passed as ``past_key_values`` or as ``cache`` (popped from ``kwargs``); both is an error."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache once: as past_key_values or as cache, not both")
+    return past_key_values if cache is None else cache
+
+
 def packing_of(cu_seqlens, position_ids, past_key_values, tokens: torch.Tensor) -> Packing | None:
     """The forward's ``Packing``: from ``cu_seqlens`` (a tensor or a ``Packing``), else from
     ``position_ids`` that restart at 0 in a single row without a cache; None when not packed.
@@ -247,7 +261,9 @@ class TTRModel(TTRPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Returns a tuple instead of the output object with ``return_dict=False`` (or
-        ``config.return_dict=False``), as transformers models do."""
+        ``config.return_dict=False``), as transformers models do. The cache may also come as
+        ``cache=`` (transformers >= 5.24's name)."""
+        past_key_values = cache_argument(past_key_values, kwargs)
         check_inputs(input_ids, inputs_embeds)
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
@@ -311,8 +327,8 @@ class TTRModel(TTRPreTrainedModel):
             cache.seen_tokens += t
         return BaseModelOutputWithPast(
             last_hidden_state=hidden,
-            past_key_values=cache,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            **{CACHE_FIELD: cache},
         )
 
 
@@ -399,9 +415,10 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         (transformers 5) or the 2-D ``attention_mask``, which spans cached and new positions.
         ``position_ids`` from ``generate`` are dropped: the model derives positions from the mask
         and the cache, and a row of generate's positions restarting at 0 would read as packing."""
+        past_key_values = cache_argument(past_key_values, kwargs)
         seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs = {
-            "past_key_values": past_key_values,
+            CACHE_FIELD: past_key_values,
             "attention_mask": attention_mask,
             "use_cache": use_cache,
             "input_ids": None,
@@ -456,6 +473,7 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         yes, in training no when the loss is fused (see the class docstring). ``return_dict=False``
         returns a tuple instead of the output object. ``cu_seqlens`` may be a ``ttr.kernels.Packing``
         (``prepare_packing``), which the model then uses as it is."""
+        past_key_values = cache_argument(past_key_values, kwargs)
         check_inputs(input_ids, inputs_embeds)
         cu_seqlens = packing_of(cu_seqlens, position_ids, past_key_values,
                                 input_ids if input_ids is not None else inputs_embeds)
@@ -496,6 +514,6 @@ class TTRForCausalLM(TTRPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )

@@ -348,7 +348,9 @@ def decode_throughput(model, vocab: int, batch: int, prompt_len: int, gen_len: i
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prompt = torch.randint(0, vocab, (batch, prompt_len), device=device)
     out = model(prompt, use_cache=True, logits_to_keep=1)
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    from ttr.models.modeling import CACHE_FIELD
+
+    cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1, keepdim=True)
     marks = {gen_len // 4, gen_len // 2, gen_len}
     memory = {}
     sync()

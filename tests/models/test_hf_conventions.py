@@ -196,3 +196,24 @@ def test_output_attentions_warns_once():
     record = []
     assert caught(lambda: record.append(model(ids, output_attentions=True))) == []
     assert record[0].attentions is None
+
+
+@pytest.mark.parametrize("family", ["gated_deltanet_h1", "mamba2"])
+@torch.no_grad()
+def test_cache_under_either_name(family):
+    """The cache continues the same way passed as ``past_key_values`` or as ``cache`` (the name
+    transformers >= 5.24 uses), and comes back in the output field of the installed version;
+    passing both is an error."""
+    from ttr.models.modeling import CACHE_FIELD
+
+    model = make_model(family)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    full = model(ids).logits
+    for name in ("past_key_values", "cache"):
+        out = model(ids[:, :6], use_cache=True)
+        cache = getattr(out, CACHE_FIELD)
+        step = model(ids[:, 6:], **{name: cache})
+        assert getattr(step, CACHE_FIELD) is cache and cache.get_seq_length() == 9
+        assert rel_err(step.logits, full[:, 6:]) < 1e-4
+    with pytest.raises(ValueError, match="past_key_values or as cache"):
+        model(ids[:, 6:], past_key_values=cache, cache=cache)
