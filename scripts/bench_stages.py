@@ -125,20 +125,20 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     from ttr.kernels.ssd import grouped
 
     x = ssd_inputs(B, T, SSD_STAGE_SHAPE, torch.bfloat16, device)
-    xs, dt, A, Bm, C, v = x["x"], x["dt"], x["A"], x["B"], x["C"], x["v"]  # v = x dt, as the op forms it
+    xs, dt, A, Bm, C = x["x"], x["dt"], x["A"], x["B"], x["C"]
     D = torch.ones(SSD_STAGE_SHAPE.H, device=device)
     plan = prepare_chunks(None, B, T, device=device)
     do = torch.randn_like(xs)
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    h, _, _ = state_fwd(Bm, v, plan, g=gc)
+    h, _, _ = state_fwd(Bm, xs, plan, g=gc, u_scale=dt)
     cb = grouped.cb_fwd(C, Bm, plan)
     dh, _, _ = state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc)
     terms = grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan)[2]
     return {
         "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
-        "state_fwd": lambda: state_fwd(Bm, v, plan, g=gc),
+        "state_fwd": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt),
         "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
-        "ssd_output_fwd": lambda: grouped.output_fwd(C, v, h, cb, gc, plan, x=xs, D=D),
+        "ssd_output_fwd": lambda: grouped.output_fwd(C, xs, dt, h, cb, gc, plan, D=D),
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),

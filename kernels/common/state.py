@@ -80,10 +80,10 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
+def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
                      HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                     USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                     USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
     # _state_blocks for the one launch shape that is right on Hopper).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -120,6 +120,10 @@ def state_fwd_kernel(k, u, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets
             _store_half(v_new + (bos * H + i_h) * V, b_v, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
+        if USE_US:
+            # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
+            # product's one rounding instead of as a tensor of their own
+            b_v *= tl.load(us + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)[:, None]
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
@@ -250,12 +254,13 @@ def _gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
-def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
                        K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
+                       USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr, USE_YS: tl.constexpr):
     """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
-    ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g))."""
+    ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g)); with
+    USE_YS the rows of y are scaled by ``ys [B, T, H]`` first (``state_fwd``'s ``u_scale``)."""
     i_kv, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
@@ -263,6 +268,9 @@ def state_chunk_kernel(x, y, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl
     b_x = _load_half(qk_rows(x, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
     b_x = _gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
     b_y = _load_half(y + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
+    if USE_YS:
+        o_t = i_c * BT + tl.arange(0, BT)
+        b_y = b_y * tl.load(ys + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)[:, None]
     b_s = tl.dot(b_x, b_y.to(b_x.dtype)) * scale
     _store_half(out + (i_t.to(tl.int64) * H + i_h) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
 
@@ -402,15 +410,17 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
 
 
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
-                 stage: str) -> torch.Tensor:
-    """``ΔS`` (decay: x = k, y = v) or ``ΔD`` (x = q, y = do), fp32 ``[NT, H, K, V]``."""
+                 stage: str, y_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``ΔS`` (decay: x = k, y = v, the rows of v times ``y_scale`` when given) or ``ΔD`` (x = q,
+    y = do), fp32 ``[NT, H, K, V]``."""
     B, T, HK, K = x.shape
     H, V = y.shape[2:]
     cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(K, cfg["BK"]) * triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)
-    state_chunk_kernel[grid](x, y, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V,
-                             BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay, **cfg)
+    state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K,
+                             V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
+                             USE_YS=y_scale is not None, **cfg)
     return out
 
 
@@ -446,16 +456,20 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
 
 
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
-              g: torch.Tensor | None = None, gk: torch.Tensor | None = None,
+              g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
+    ``u_scale`` (``[B, T, H]`` fp32, not with ``w``): the values are ``u * u_scale[..., None]``, scaled
+    in fp32 inside the pass (SSD's ``x dt``, which then never exists as a tensor); v_new is then None.
     Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
+    if u_scale is not None and w is not None:
+        raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
     if _two_level("state_fwd", w, plan, gk):
-        dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk")
+        dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
                       reverse=False, stage="state_fwd_scan")
-        return h, u, ht
+        return h, (u if u_scale is None else None), ht
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
@@ -467,10 +481,10 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     state_fwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
-        k, u, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, HK=HK, K=K, V=V,
-        BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
-    return h, v_new, ht
+        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, HK=HK, K=K,
+        V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
+        USE_US=u_scale is not None, USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
+    return h, (v_new if u_scale is None else None), ht
 
 
 def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *,

@@ -28,14 +28,14 @@ per (chunk, group, N block) walks the group's heads and accumulates dC and dB in
 to sum over the group), and one program per (chunk, head) forms the head's full ``dv`` and maps it
 to ``dx = dv dt + D dy``, ``ddt = sum_p dv x + A dg`` and the shares of ``dA = sum dg dt`` and
 ``dD = sum dy x`` (``grouped.rows_bwd``, with the gate's gradient ``dg`` of the engine above). The
-chunk cumsum multiplies by ``A`` as it sums and ``v = x dt`` is one row kernel (``scale_rows``) for
-the state pass. The same map as torch ops around simple GLA would cost a sizeable share of a
+chunk cumsum multiplies by ``A`` as it sums, and ``v = x dt`` is never a tensor: the state pass
+scales x's rows by dt (``state_fwd(u_scale=dt)``), the output stage the scores' columns, and the
+backward's stages read x and dt. The same map as torch ops around simple GLA would cost a sizeable share of a
 fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and sums, and one autograd
 node per op.
 
-Memory: the backward keeps x, B, C and dt only; ``v`` (where the states are recomputed), the
-cumulative gate and CB are recomputed (a row kernel, a chunk cumsum and a ``64 x 64 x N`` product
-per chunk and group) rather than kept, since a layer's kept tensors, summed over every layer,
+Memory: the backward keeps x, B, C, dt and the cumulative gate (fp32 like dt: 1/32 of x at P = 64 in bf16); CB is
+recomputed (a ``64 x 64 x N`` product per chunk and group) rather than kept, since a layer's kept tensors, summed over every layer,
 bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
 Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
 input projection), and runs the conv again in the backward instead of keeping x, B and C.
@@ -44,8 +44,6 @@ input projection), and runs the conv again in the backward instead of keeping x,
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import keep_states, prepare_chunks, prepare_packing
@@ -105,59 +103,28 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dh0, None, None, None
 
 
-@triton.jit
-def _rows(x, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    """This program's BR rows of x ``[R, P]`` (fp32), with offsets and masks."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BP)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < P)
-    offs = rows.to(tl.int64)[:, None] * P + cols[None, :]
-    return rows, offs, m_r, m, tl.load(x + offs, mask=m, other=0.).to(tl.float32)
-
-
-@triton.jit
-def scale_rows_fwd_kernel(x, dt, v, R, P: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr):
-    rows, offs, m_r, m, b_x = _rows(x, R, P, BR, BP)
-    b_dt = tl.load(dt + rows, mask=m_r, other=0.)
-    tl.store(v + offs, (b_x * b_dt[:, None]).to(v.dtype.element_ty), mask=m)
-
-
-def _scale_rows_launch(P: int) -> tuple[int, int]:
-    BP = max(16, triton.next_power_of_2(P))
-    return BP, max(1, 4096 // BP)
-
-
-def _values(x, dt):
-    """``v = x dt`` (x's dtype), the simple-GLA values of SSD, for the state pass; the backward forms it
-    again only to recompute the states, rather than keeping a second tensor of x's size."""
-    v = torch.empty_like(x)
-    BP, BR = _scale_rows_launch(x.shape[-1])
-    scale_rows_fwd_kernel[(triton.cdiv(dt.numel(), BR),)](x, dt, v, dt.numel(), P=x.shape[-1], BR=BR, BP=BP)
-    return v
-
-
 def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
-    """``(y, final state, h if kept else None)`` of SSD on contiguous inputs, ``y = SSD + D x``. The
-    stages read B and C by group (``[batch, T, G, N]``: head h uses group ``h // (H / G)``); the
-    intra-chunk scores ``C B^T`` are formed once per chunk and group (``grouped.cb_fwd``)."""
+    """``(y, final state, gc, h if kept else None)`` of SSD on contiguous inputs, ``y = SSD + D x``,
+    with ``gc`` the chunk-local cumulative gate (fp32 ``[batch, T, H]``, dt's size, which the backward
+    keeps rather than summing again). The stages read B and C by group (``[batch, T, G, N]``: head
+    h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are formed once per chunk and
+    group (``grouped.cb_fwd``)."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    v = _values(x, dt)
-    h, _, final = state_fwd(B, v, plan, g=gc, initial_state=initial_state,
+    h, _, final = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                             output_final_state=output_final_state)
-    o = grouped.output_fwd(C, v, h, grouped.cb_fwd(C, B, plan), gc, plan, x=x, D=D)
-    return o, final, (h if keep_states(plan) else None)
+    o = grouped.output_fwd(C, x, dt, h, grouped.cb_fwd(C, B, plan), gc, plan, D=D)
+    return o, final, gc, (h if keep_states(plan) else None)
 
 
-def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
-    """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward``; the cumulative gate and ``C B^T`` are
-    recomputed (a chunk cumsum, ``grouped.cb_fwd``) instead of kept, and ``v`` with the states when
-    those were not kept. dB and dC come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx,
-    ddt, dA and dD from ``grouped.rows_bwd``."""
-    gc = chunk_local_cumsum(dt, plan, scale=A)
+def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht, plan):
+    """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward`` from its kept cumulative gate ``gc``;
+    ``C B^T`` is recomputed (``grouped.cb_fwd``: fp32 ``[NT, G, 64, 64]``, up to a quarter of x's size
+    with 8 groups) instead of kept, and the states when the forward did not keep them. dB and dC
+    come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx, ddt, dA and dD from
+    ``grouped.rows_bwd``."""
     do = do.contiguous()
     if h is None:
-        h = state_fwd(B, _values(x, dt), plan, g=gc, initial_state=initial_state)[0]
+        h = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state)[0]
     dht = None if dht is None else dht.contiguous()
     dh, dh0, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
     dC, dB, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
@@ -168,9 +135,10 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht, plan):
 class ChunkSSDFunction(torch.autograd.Function):
     """Mamba2's SSD as one autograd node over the state stages and ``ssd.grouped`` (module docstring).
     The map costs no torch passes in the forward: the stages read B and C by group, ``A dt`` is
-    summed by the chunk cumsum, ``x dt`` is one row kernel and ``D x`` is added by the output stage;
+    summed by the chunk cumsum, ``x dt`` is formed inside the stages and ``D x`` is added by the output stage;
     the backward's row stage gives ``dx``, both parts of ``ddt``, ``dA`` and ``dD``; dB and dC come
-    out per group. Kept for the backward: x, dt, B, C (and the states of long sequences)."""
+    out per group. Kept for the backward: x, dt, B, C, the cumulative gate (and the states of long
+    sequences)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, cu_seqlens):
@@ -178,15 +146,15 @@ class ChunkSSDFunction(torch.autograd.Function):
         D = None if D is None else D.contiguous()
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, x.shape[0], x.shape[1], device=x.device)
-        o, final, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, h)
+        o, final, gc, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, gc, h)
         ctx.plan = plan
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        x, dt, A, B, C, D, initial_state, h = ctx.saved_tensors
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht,
+        x, dt, A, B, C, D, initial_state, gc, h = ctx.saved_tensors
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht,
                                                      ctx.plan)
         return dx, ddt, dA, dB, dC, dD, dh0, None, None
 
@@ -214,17 +182,17 @@ class ChunkConvSSDFunction(torch.autograd.Function):
         plan = prepare_chunks(packing, xbc.shape[0], xbc.shape[1], device=xbc.device)
         x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", packing), dt.shape[2], groups,
                              state_size)
-        o, final, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
-        ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, h)
+        o, final, gc, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h)
         ctx.plan, ctx.packing, ctx.groups, ctx.state_size = plan, packing, groups, state_size
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        xbc, conv_weight, conv_bias, dt, A, D, initial_state, h = ctx.saved_tensors
+        xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h = ctx.saved_tensors
         x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing), dt.shape[2],
                              ctx.groups, ctx.state_size)
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, h, do, dht,
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht,
                                                      ctx.plan)
         del x, B, C
         dconv = torch.cat([dx.flatten(2), dB.flatten(2), dC.flatten(2)], dim=-1)

@@ -132,8 +132,9 @@ def saved_bytes(fn, *args, **kw):
 
 
 def test_what_the_backward_keeps(monkeypatch):
-    """chunk_ssd keeps x, B, C (its contiguous copies of strided views) and dt, not ``x dt`` nor the
-    cumulative gate; chunk_conv_ssd keeps only what it got (xBC read in place from the projection)."""
+    """chunk_ssd keeps x, B, C (its contiguous copies of strided views), dt and the cumulative gate
+    (fp32, dt's size), not ``x dt``; chunk_conv_ssd keeps what it got (xBC read in place from the
+    projection) and the cumulative gate."""
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     t, h, groups, n_state, p = 128, 4, 2, 8, 16
     width = h * p + 2 * groups * n_state
@@ -142,10 +143,11 @@ def test_what_the_backward_keeps(monkeypatch):
     weight, bias = torch.randn(width, 4, requires_grad=True), torch.randn(width, requires_grad=True)
     dt, A, D = (z.requires_grad_() for z in (dt, A, D))
     xbc = proj[..., 10:]
-    assert saved_bytes(chunk_conv_ssd, xbc, weight, bias, dt, A, D=D, groups=groups, state_size=n_state) == 0
+    gate = dt.numel() * 4
+    assert saved_bytes(chunk_conv_ssd, xbc, weight, bias, dt, A, D=D, groups=groups, state_size=n_state) == gate
     x, B, C = (z.detach().requires_grad_() for z in xbc_views(xbc, h, groups, n_state))
     copies = (x.numel() + B.numel() + C.numel()) * 4
-    assert saved_bytes(chunk_ssd, x, dt, A, B, C, D=D) == copies
+    assert saved_bytes(chunk_ssd, x, dt, A, B, C, D=D) == copies + gate
 
 
 def test_conv_ssd_errors():

@@ -53,8 +53,12 @@ def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
     h, _, _ = state_fwd(B, v, plan, g=gc, initial_state=h0)
     cb = grouped.cb_fwd(C, B, plan)
     y = output_fwd(C, B, v, h, plan, scale=1.0, g=gc)
-    torch.testing.assert_close(grouped.output_fwd(C, v, h, cb, gc, plan), y, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grouped.output_fwd(C, v, h, cb, gc, plan, x=x, D=D), y + D[:, None] * x, rtol=1e-5,
+    # the values scaled inside the state pass: the states of v = x dt as a tensor
+    h_scaled, none, _ = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=h0)
+    assert none is None
+    torch.testing.assert_close(h_scaled, h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped.output_fwd(C, x, dt, h, cb, gc, plan), y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped.output_fwd(C, x, dt, h, cb, gc, plan, D=D), y + D[:, None] * x, rtol=1e-5,
                                atol=1e-5)
     dh, _, dv = state_bwd(C, B, do, output_bwd_dv(C, B, do, plan, scale=1.0, g=gc), plan, scale=1.0, g=gc,
                           dht=dht)

@@ -185,6 +185,27 @@ def test_grouped_qk_equals_repeated(two_level):
         assert a.shape == b.shape and rel_rms(a, b) < 1e-6, name
 
 
+@pytest.mark.parametrize("two_level", [True, False])
+def test_u_scale_equals_scaled_values(two_level):
+    """``u_scale`` (SSD's v = x dt, scaled inside the pass) gives the states of the scaled values on
+    both paths, packed documents included; no v_new comes back, and the delta rule refuses it."""
+    cu = [0, *torch.tensor(PACKED).cumsum(0).tolist()]
+    x, plan = make(1, sum(PACKED), 2, 20, 24, "g", cu=cu)
+    us = torch.rand(1, sum(PACKED), 2) * 2
+    TUNING["state_fwd"] = {"two_level": two_level}
+    try:
+        h, none, final = state_fwd(x["k"], x["v"], plan, g=x["g_cum"], u_scale=us, initial_state=x["h0"],
+                                   output_final_state=True)
+        want, _, want_final = state_fwd(x["k"], x["v"] * us[..., None], plan, g=x["g_cum"],
+                                        initial_state=x["h0"], output_final_state=True)
+    finally:
+        TUNING.pop("state_fwd", None)
+    assert none is None
+    assert rel_rms(h, want) < 1e-6 and rel_rms(final, want_final) < 1e-6
+    with pytest.raises(ValueError, match="u_scale"):
+        state_fwd(x["k"], x["v"], plan, w=x["k"], u_scale=us)
+
+
 def test_path_switch(monkeypatch):
     """Without w the two-level pass runs unless TUNING says two_level=False; with w never."""
     calls = []

@@ -3,7 +3,8 @@ training peak of the 1.3B presets.
 
 The layer's backward keeps its input, the input projection's output (z, xBC and dt are read in
 place as slices of it), the SSD output y, the gated norm's output (the output projection's input)
-and per-head fp32 terms; no conv output, no ``x dt``, no gated or skipped copies of y.
+and per-head fp32 terms (dt and SSD's cumulative gate among them); no conv output, no ``x dt``, no
+gated or skipped copies of y.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def test_layer_keeps_projection_y_and_norm_output(monkeypatch, groups):
         return layer(x, cu_seqlens=torch.tensor([0, 1, n], dtype=torch.int32))
 
     per_token = sum(b for b, _ in saved_per_site(run, layer.parameters(), 64).values())
-    # fp32: x, in_proj's output, y, the norm's output, softplus's input, dt, rstd per group
-    want = 4 * (d + proj + 2 * layer.d_inner + 2 * h + groups)
+    # fp32: x, in_proj's output, y, the norm's output, softplus's input, dt, SSD's cumulative gate,
+    # rstd per group
+    want = 4 * (d + proj + 2 * layer.d_inner + 3 * h + groups)
     assert per_token == want
 
 
@@ -72,8 +74,8 @@ def test_gpu_ledger_matches_cpu_ledger():
     d, d_inner, h = cfg.hidden_size, 2 * cfg.hidden_size, cfg.mamba_num_heads
     proj = d_inner + d_inner + 2 * cfg.mamba_n_groups * cfg.mamba_state_size + h
     # residual stream fp32 (+ rstd), the pre-norm's bf16 output, in_proj's output, y, the norm's output,
-    # softplus's input and dt (fp32), rstd per group
-    want = 4 * d + 4 + 2 * d + 2 * (proj + 2 * d_inner) + 8 * h + 4 * cfg.mamba_n_groups
+    # softplus's input, dt and SSD's cumulative gate (fp32), rstd per group
+    want = 4 * d + 4 + 2 * d + 2 * (proj + 2 * d_inner) + 12 * h + 4 * cfg.mamba_n_groups
     assert per_token == want
 
 
