@@ -1,7 +1,7 @@
 """``ttr bench --stages``: each engine stage of an op timed on its own, and (``--sweep``) the launch
 alternatives of ``SWEEPS`` next to the heuristic defaults, fastest first; a winner becomes the
 stage's default in ``kernels/common``. The delta rules, GLA and simple GLA run at H = 16, K = V = 128,
-SSD at Mamba2-1.3B's shape (``SSD_STAGE_SHAPE``)."""
+SSD at Mamba2-1.3B's shape (``SSD_STAGE_SHAPE``) and with N = 64 in 8 groups (``SSD_G8_STAGE_SHAPE``)."""
 
 from __future__ import annotations
 
@@ -112,21 +112,24 @@ def simple_gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     }
 
 
-# the shape ``--stages`` times SSD at: Mamba2-1.3B's layer (H = 64, P = 64, N = 128, one group)
+# the shapes ``--stages`` times SSD at: Mamba2-1.3B's layer (H = 64, P = 64, N = 128, one group) and
+# the preset table's variant with N = 64 in 8 groups
 SSD_STAGE_SHAPE = Shape("ssd", 64, 128, 64, groups=1)
+SSD_G8_STAGE_SHAPE = Shape("ssd", 64, 64, 64, groups=8)
 
 
-def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
-    """One closure per stage of chunk_ssd's forward and backward at ``SSD_STAGE_SHAPE``, on bf16
-    inputs; the keys of the grouped stages are their tuning names."""
+def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[str, Callable]:
+    """One closure per stage of chunk_ssd's forward and backward at ``shape`` (default
+    ``SSD_STAGE_SHAPE``), on bf16 inputs; the keys of the grouped stages are their tuning names."""
+    shape = SSD_STAGE_SHAPE if shape is None else shape
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import prepare_chunks
     from ttr.kernels.common.state import state_bwd, state_fwd
     from ttr.kernels.ssd import grouped
 
-    x = ssd_inputs(B, T, SSD_STAGE_SHAPE, torch.bfloat16, device)
+    x = ssd_inputs(B, T, shape, torch.bfloat16, device)
     xs, dt, A, Bm, C = x["x"], x["dt"], x["A"], x["B"], x["C"]
-    D = torch.ones(SSD_STAGE_SHAPE.H, device=device)
+    D = torch.ones(shape.H, device=device)
     plan = prepare_chunks(None, B, T, device=device)
     do = torch.randn_like(xs)
     gc = chunk_local_cumsum(dt, plan, scale=A)
@@ -143,6 +146,13 @@ def ssd_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
     }
+
+
+
+def stage_shapes(name: str) -> list[Shape | None]:
+    """The shapes ``--stages`` times op ``name`` at, passed to its closures as a fourth argument
+    (None: the op's one shape, no argument): SSD at both of its preset shapes."""
+    return [SSD_STAGE_SHAPE, SSD_G8_STAGE_SHAPE] if name == "ssd" else [None]
 
 
 STAGE_CALLS = {
@@ -239,7 +249,10 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str
     device = torch.device("cuda")
     out = []
     for name in ops:
-        for B, T in shapes:
-            out += time_stages(STAGE_CALLS[name](B, T, device), f"{name} {B}x{T}",
-                               {k: v for k, v in SWEEPS.get(name, {}).items() if k in sweep} if sweep else None)
+        alternatives = {k: v for k, v in SWEEPS.get(name, {}).items() if k in sweep} if sweep else None
+        for shape in stage_shapes(name):
+            for B, T in shapes:
+                calls = STAGE_CALLS[name](B, T, device, *([shape] if shape else []))
+                label = f"{name} {shape.label() + ' ' if shape else ''}{B}x{T}"
+                out += time_stages(calls, label, alternatives)
     return "\n".join(out)
