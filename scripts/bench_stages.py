@@ -121,11 +121,12 @@ SSD_G8_STAGE_SHAPE = Shape("ssd", 64, 64, 64, groups=8)
 def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[str, Callable]:
     """One closure per stage of chunk_ssd's forward and backward at ``shape`` (default
     ``SSD_STAGE_SHAPE``), on bf16 inputs; the keys of the grouped stages are their tuning names."""
-    shape = SSD_STAGE_SHAPE if shape is None else shape
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import prepare_chunks
     from ttr.kernels.common.state import state_bwd, state_fwd
     from ttr.kernels.ssd import grouped
+
+    shape = SSD_STAGE_SHAPE if shape is None else shape
 
     x = ssd_inputs(B, T, shape, torch.bfloat16, device)
     xs, dt, A, Bm, C = x["x"], x["dt"], x["A"], x["B"], x["C"]
@@ -146,7 +147,6 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
     }
-
 
 
 def stage_shapes(name: str) -> list[Shape | None]:

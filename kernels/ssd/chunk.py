@@ -30,13 +30,13 @@ to ``dx = dv dt + D dy``, ``ddt = sum_p dv x + A dg`` and the shares of ``dA = s
 ``dD = sum dy x`` (``grouped.rows_bwd``, with the gate's gradient ``dg`` of the engine above). The
 chunk cumsum multiplies by ``A`` as it sums, and ``v = x dt`` is never a tensor: the state pass
 scales x's rows by dt (``state_fwd(u_scale=dt)``), the output stage the scores' columns, and the
-backward's stages read x and dt. The same map as torch ops around simple GLA would cost a sizeable share of a
-fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and sums, and one autograd
-node per op.
+backward's stages read x and dt. The same map as torch ops around simple GLA would cost a sizeable
+share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copies and sums, and one
+autograd node per op.
 
-Memory: the backward keeps x, B, C, dt and the cumulative gate (fp32 like dt: 1/32 of x at P = 64 in bf16); CB is
-recomputed (a ``64 x 64 x N`` product per chunk and group) rather than kept, since a layer's kept tensors, summed over every layer,
-bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
+Memory: the backward keeps x, B, C, dt and the cumulative gate (fp32 like dt: 1/32 of x at P = 64
+in bf16); CB is recomputed (a ``64 x 64 x N`` product per chunk and group) rather than kept, since a
+layer's kept tensors, summed over every layer, bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
 Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
 input projection), and runs the conv again in the backward instead of keeping x, B and C.
 """
@@ -135,7 +135,8 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht, plan):
 class ChunkSSDFunction(torch.autograd.Function):
     """Mamba2's SSD as one autograd node over the state stages and ``ssd.grouped`` (module docstring).
     The map costs no torch passes in the forward: the stages read B and C by group, ``A dt`` is
-    summed by the chunk cumsum, ``x dt`` is formed inside the stages and ``D x`` is added by the output stage;
+    summed by the chunk cumsum, ``x dt`` is formed inside the stages and ``D x`` is added by the output
+    stage;
     the backward's row stage gives ``dx``, both parts of ``ddt``, ``dA`` and ``dD``; dB and dC come
     out per group. Kept for the backward: x, dt, B, C, the cumulative gate (and the states of long
     sequences)."""
