@@ -172,11 +172,12 @@ STATE_WALK_SWEEP = {
     "state_bwd": [dict(two_level=False, num_warps=8, num_stages=ns, BV=bv) for ns, bv in ((1, 64), (2, 32), (3, 32))]
     + [dict(two_level=False, BV=32, num_warps=4, num_stages=2)],
 }
-# the WY forward on 4 or 8 warps (2 cannot issue Hopper's warpgroup products) and the dq/dk stage on
-# 8: fewer or no spills in the compiler's report
+# the WY forward on 4 or 8 warps (2 cannot issue Hopper's warpgroup products); the dq/dk stage in two
+# K blocks on 4 or 8 warps or one on 8 (the delta rule's default, the gated one's alternative)
 DELTA_SWEEP = {
     "wy_fwd": [dict(num_warps=nw) for nw in (4, 8)],
-    "output_bwd_dqk": [dict(num_warps=8)],
+    "output_bwd_dqk": [dict(BK=64, num_warps=nw) for nw in (4, 8)] + [dict(BK=128, BV=bv, num_warps=8, num_stages=ns)
+                                                                  for bv in (32, 64) for ns in (2, 3)],
     **STATE_WALK_SWEEP,
 }
 

@@ -40,7 +40,7 @@ causal triangle ``j <= i`` (formed as a masked difference, exponent <= 0):
 
 ``dB`` is accumulated transposed (``[BK, BT]``, ``M^T C`` as ``C^T M``) so that no transposed dot
 result feeds a ``tl.dot``: that pattern miscompiles on Hopper with Triton 3.4 - 3.7.0 (the note at
-``output.output_bwd_dqk_kernel``, which forms its ``dS^T`` by a product of its own instead).
+``output.output_bwd_dqk_kernel``, which forms dk transposed for the same reason).
 
 Padded rows of a sequence's last chunk: x, B, C, dy load as zeros and the gate as the last valid
 value (``tile.chunk_gate``), so every exponent stays <= 0 and no product turns into ``0 * inf``.

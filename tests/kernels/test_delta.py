@@ -57,7 +57,9 @@ def outputs_and_grads(fn, op, x, cu, do, dht):
     return o.detach(), ht.detach(), {n: t.grad for n, t in x.items()}
 
 
-def check_against_oracle(op, x, cu, tol):
+def check_against_oracle(op, x, cu, tol, tols=None):
+    """Relative RMS error of the output, final state and every input gradient against the float64
+    oracle, at most ``tol`` (or ``tols[name]`` for the names it gives)."""
     chunk, _, reference, _ = OPS[op]
     B, T, H, _ = x["q"].shape
     do = torch.randn(B, T, H, x["v"].shape[-1], device=x["q"].device)
@@ -69,7 +71,7 @@ def check_against_oracle(op, x, cu, tol):
     assert o.shape == o_ref.shape and ht.shape == ht_ref.shape
     errors = {"o": rel_rms(o, o_ref), "final_state": rel_rms(ht, ht_ref)}
     errors.update({f"d{n}": rel_rms(grads[n], g_ref[n]) for n in x})
-    bad = {n: e for n, e in errors.items() if not e <= tol}
+    bad = {n: e for n, e in errors.items() if not e <= (tols or {}).get(n, tol)}
     assert not bad, f"relative RMS error above {tol}: {bad} (all: {errors})"
 
 
@@ -122,10 +124,12 @@ def test_chunk_packed_matches_oracle(backend, op, beta_max, h0):
 def test_strong_decay_partial_chunk(backend, cu_list):
     """Gates of about -4 per token: within a partial last chunk the cumulative gate passes -88,
     where exp(-g) overflows fp32. Padded rows (g read as 0) must not pair with valid ones (found as
-    NaN grads in deep layers of a 1.3B model on the H200)."""
+    NaN grads in deep layers of a 1.3B model on the H200). The gate's gradient sums terms that
+    cancel (the chunk's total is a shift of every gate in it): in fp32 its error over 40 draws has
+    a median of 3e-5 and reaches 1.1e-4, the other errors stay near 1e-7."""
     x, cu = make_inputs("gated_delta", 1, 100, 2, 16, 16, cu_seqlens=cu_list)
     x["g"] = -4.0 - torch.rand_like(x["g"])
-    check_against_oracle("gated_delta", x, cu, tol=1e-4)
+    check_against_oracle("gated_delta", x, cu, tol=1e-4, tols={"dg": 2e-4})
 
 
 @pytest.mark.parametrize("op", list(OPS))
