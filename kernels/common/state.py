@@ -36,8 +36,9 @@ Two implementations:
 
 Choosing the path: without ``w``, the two-level pass runs when the sequences average at least
 ``TWO_LEVEL_MIN_CHUNKS`` chunks (where it starts to win; shorter sequences fill the GPU with the
-sequential walk, which moves 2 - 3x fewer bytes), except in the forward with a scalar gate (or
-none), whose walk stays ahead at every length measured (``_two_level``);
+sequential walk, which moves 2 - 3x fewer bytes), except with a scalar gate (or none): its forward
+walks at every length, its backward unless few (sequence, head) pairs share the GPU
+(``_two_level``);
 ``index.TUNING["state_fwd"] = {"two_level": False or True}`` (and ``"state_bwd"``) forces either
 (both paths agree to rounding). Launch
 parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
@@ -184,14 +185,14 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
         if USE_G:
+            # a scalar gate scales the chunk's rows, so it goes on the [BT, BV] side of each product
+            # (do's rows, dv2's rows) rather than on the [K, BT] tiles of q and k: BV / K of the
+            # element-wise work in the walk's step (the 4-warp walk was bound by it: Gated DeltaNet
+            # walked 1.5x as long as DeltaNet at B*H = 16)
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
             b_dec = tl.exp(tl.where(m_t, b_gl - b_g, 0.))
-            b_kT = (b_kT * b_dec[None, :]).to(b_kT.dtype)
-            b_q = (b_q * tl.exp(b_g)[None, :]).to(b_q.dtype)
-            if SPLIT:
-                b_kT2 = (b_kT2 * b_dec[None, :]).to(b_kT2.dtype)
-                b_q2 = (b_q2 * tl.exp(b_g)[None, :]).to(b_q2.dtype)
+            b_do = (b_do * tl.exp(b_g)[:, None]).to(b_do.dtype)
         if USE_GK:
             b_kT, b_e, b_gk = _decay_kT(b_kT, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
             b_q = (b_q * tl.exp(b_gk)).to(b_q.dtype)
@@ -199,11 +200,14 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
                 b_kT2, b_e2, b_gk2 = _decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
                 b_q2 = (b_q2 * tl.exp(b_gk2)).to(b_q2.dtype)
         if USE_DV:
-            # dv2 = dv + (k ⊙ decay) dh: the decayed k^T tile is loaded transposed, so k = trans(load)
+            # dv2 = dv + (k ⊙ decay) dh: the k^T tile is loaded transposed, so k = trans(load)
             b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
-            b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
+            b_kdh = tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
             if SPLIT:
-                b_dv += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
+                b_kdh += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
+            if USE_G:
+                b_kdh *= b_dec[:, None]
+            b_dv += b_kdh
             _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_G:
             b_dh *= tl.exp(b_gl)
@@ -387,18 +391,28 @@ def _checked(cfg: dict, elem: int) -> dict:
 # against 0.444 ms at 1 x 16384; simple GLA, H = 16, K = V = 128: 0.163 against 0.238 ms), where
 # the vector gate's two-level forward wins from 128 chunks on (GLA, H = 16, K = V = 128: 0.256
 # against 0.272 ms at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
+# The backward with a scalar gate (or none), which scales do's rows rather than q's tiles in its
+# walk, walks as well unless fewer than SCALAR_BWD_TWO_LEVEL_MAX_HEADS + 1 (sequence, head) pairs
+# share the GPU: on an H200 at 128 and 256 chunks per sequence, walk against two-level, SSD (H = 64,
+# K = 128, V = 64) 0.147 / 0.486 ms at 2 x 8192 and 0.260 / 0.445 at 1 x 16384, simple GLA (H = 16,
+# K = V = 128) 0.298 / 0.321 at 2 x 8192 but 0.441 / 0.340 at 1 x 16384 (16 pairs).
 TWO_LEVEL_MIN_CHUNKS = 96
 SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS: int | None = None  # the scalar-gate forward: never
+SCALAR_BWD_TWO_LEVEL_MAX_HEADS = 16
 
 
-def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Tensor | None = None) -> bool:
+def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Tensor | None = None,
+               heads: int = 1) -> bool:
     """Two-level without ``w`` for long sequences (``TWO_LEVEL_MIN_CHUNKS``; the forward without a
-    vector gate ``gk``: ``SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS``); ``TUNING[stage]["two_level"]`` overrides
-    the choice."""
+    vector gate ``gk``: ``SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS``; the backward without it only for at most
+    ``SCALAR_BWD_TWO_LEVEL_MAX_HEADS`` sequences times ``heads``); ``TUNING[stage]["two_level"]``
+    overrides the choice."""
     if w is not None:
         return False
     least = SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS if stage == "state_fwd" and gk is None else TWO_LEVEL_MIN_CHUNKS
     long_seqs = least is not None and plan.num_chunks >= least * plan.num_seqs
+    if stage == "state_bwd" and gk is None:
+        long_seqs = long_seqs and plan.num_seqs * heads <= SCALAR_BWD_TWO_LEVEL_MAX_HEADS
     return bool(tuned(stage, two_level=long_seqs)["two_level"])
 
 
@@ -496,7 +510,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     two-level pass (``_two_level``)."""
     if dv is None and w is not None:
         raise ValueError("state_bwd: the delta rule (w) needs dv")
-    if _two_level("state_bwd", w, plan):
+    if _two_level("state_bwd", w, plan, gk, heads=do.shape[2]):
         dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
                         stage="state_bwd_scan")

@@ -28,6 +28,7 @@ def two_level_by_default(monkeypatch):
     two-level pass the default here (``sequential()`` still forces the other one)."""
     monkeypatch.setattr(state, "TWO_LEVEL_MIN_CHUNKS", 0)
     monkeypatch.setattr(state, "SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS", 0)
+    monkeypatch.setattr(state, "SCALAR_BWD_TWO_LEVEL_MAX_HEADS", 1 << 30)
 
 
 @contextmanager
@@ -223,8 +224,9 @@ def test_path_switch(monkeypatch):
 
 def test_path_heuristic(monkeypatch):
     """Long sequences (on average >= TWO_LEVEL_MIN_CHUNKS chunks) take the two-level pass, short
-    ones the sequential walk; the forward with a scalar gate and the delta rules (w) always walk;
-    TUNING overrides."""
+    ones the sequential walk; the forward with a scalar gate and the delta rules (w) always walk,
+    the backward with a scalar gate unless at most SCALAR_BWD_TWO_LEVEL_MAX_HEADS (sequence, head)
+    pairs; TUNING overrides."""
     monkeypatch.undo()  # the real threshold
     n = state.TWO_LEVEL_MIN_CHUNKS
     short, long = prepare_chunks(None, 4, 64 * (n - 1)), prepare_chunks(None, 2, 64 * n)
@@ -232,7 +234,9 @@ def test_path_heuristic(monkeypatch):
     gk = torch.empty(0)
     assert not state._two_level("state_fwd", None, short, gk)
     assert state._two_level("state_fwd", None, long, gk)
-    assert state._two_level("state_bwd", None, long)
+    assert state._two_level("state_bwd", None, long, gk, heads=64)
+    assert state._two_level("state_bwd", None, long, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS // 2)
+    assert not state._two_level("state_bwd", None, long, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS)  # 2 seqs
     assert not state._two_level("state_fwd", None, long)  # a scalar gate's forward always walks
     assert not state._two_level("state_bwd", None, packed)
     assert not state._two_level("state_fwd", torch.empty(0), long, gk)
