@@ -199,7 +199,7 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     H, V = v.shape[2:]
     BK, BV = block_size(K, 64), block_size(V, 64)
     if K <= 128 and g is None:
-        # the delta rule: one program per chunk over all of K, so dS is formed once, not once per K
+        # without a gate (DeltaNet): one program per chunk over all of K, so dS is formed once, not once per K
         # block, and v, do and dv are read once; 8 warps hold the wider [BT, K] tiles. With a gate
         # the wider program measured slower than two K blocks on 4 warps (H100, BT = 64, K = V = 128:
         # delta 0.345 against 0.387 ms, gated delta 0.443 against 0.399, simple GLA 0.428 against

@@ -398,18 +398,18 @@ def _checked(cfg: dict, elem: int) -> dict:
 # against 0.444 ms at 1 x 16384; simple GLA, H = 16, K = V = 128: 0.163 against 0.238 ms), where
 # the vector gate's two-level forward wins from 128 chunks on (GLA, H = 16, K = V = 128: 0.256
 # against 0.272 ms at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
-# The backward with a scalar gate (or none), which scales do's rows rather than q's tiles in its
-# walk, walks as well unless fewer than SCALAR_BWD_TWO_LEVEL_MAX_HEADS + 1 (sequence, head) pairs
-# share the GPU: on an H200 at 128 and 256 chunks per sequence, walk against two-level, SSD (H = 64,
-# K = 128, V = 64) 0.147 / 0.486 ms at 2 x 8192 and 0.260 / 0.445 at 1 x 16384, simple GLA (H = 16,
-# K = V = 128) 0.298 / 0.321 at 2 x 8192 but 0.441 / 0.340 at 1 x 16384 (16 pairs).
+# The backward with a scalar gate (or none) walks at long sequences too unless at most
+# SCALAR_BWD_TWO_LEVEL_MAX_HEADS (sequence, head) pairs share the GPU: on an H200 at 128 and 256
+# chunks per sequence, walk against two-level, SSD (H = 64, K = 128, V = 64) 0.147 / 0.486 ms at
+# 2 x 8192 and 0.260 / 0.445 at 1 x 16384, simple GLA (H = 16, K = V = 128) 0.298 / 0.321 at
+# 2 x 8192 but 0.441 / 0.340 at 1 x 16384 (16 pairs).
 TWO_LEVEL_MIN_CHUNKS = 96
 SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS: int | None = None  # the scalar-gate forward: never
 SCALAR_BWD_TWO_LEVEL_MAX_HEADS = 16
 
 
-def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Tensor | None = None,
-               heads: int = 1) -> bool:
+def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Tensor | None, *,
+               heads: int) -> bool:
     """Two-level without ``w`` for long sequences (``TWO_LEVEL_MIN_CHUNKS``; the forward without a
     vector gate ``gk``: ``SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS``; the backward without it only for at most
     ``SCALAR_BWD_TWO_LEVEL_MAX_HEADS`` sequences times ``heads``); ``TUNING[stage]["two_level"]``
@@ -486,7 +486,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
-    if _two_level("state_fwd", w, plan, gk):
+    if _two_level("state_fwd", w, plan, gk, heads=u.shape[2]):
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
                       reverse=False, stage="state_fwd_scan")

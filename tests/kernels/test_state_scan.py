@@ -232,13 +232,13 @@ def test_path_heuristic(monkeypatch):
     short, long = prepare_chunks(None, 4, 64 * (n - 1)), prepare_chunks(None, 2, 64 * n)
     packed = prepare_chunks(torch.tensor([0, 64 * n + 1, 64 * n + 2]), 1, 64 * n + 2)  # 2 seqs, n + 2 chunks
     gk = torch.empty(0)
-    assert not state._two_level("state_fwd", None, short, gk)
-    assert state._two_level("state_fwd", None, long, gk)
+    assert not state._two_level("state_fwd", None, short, gk, heads=1)
+    assert state._two_level("state_fwd", None, long, gk, heads=1)
     assert state._two_level("state_bwd", None, long, gk, heads=64)
-    assert state._two_level("state_bwd", None, long, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS // 2)
-    assert not state._two_level("state_bwd", None, long, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS)  # 2 seqs
-    assert not state._two_level("state_fwd", None, long)  # a scalar gate's forward always walks
-    assert not state._two_level("state_bwd", None, packed)
-    assert not state._two_level("state_fwd", torch.empty(0), long, gk)
+    assert state._two_level("state_bwd", None, long, None, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS // 2)
+    assert not state._two_level("state_bwd", None, long, None, heads=state.SCALAR_BWD_TWO_LEVEL_MAX_HEADS)  # 2 seqs
+    assert not state._two_level("state_fwd", None, long, None, heads=1)  # a scalar gate's forward always walks
+    assert not state._two_level("state_bwd", None, packed, None, heads=1)
+    assert not state._two_level("state_fwd", torch.empty(0), long, gk, heads=1)
     monkeypatch.setitem(TUNING, "state_fwd", {"two_level": True})
-    assert state._two_level("state_fwd", None, short)
+    assert state._two_level("state_fwd", None, short, None, heads=1)
