@@ -79,7 +79,7 @@ def _backward(q, k, v, gc, initial_state, h, do, dht, plan, scale):
     dv_intra = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
     dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, g=gc,
                             dht=None if dht is None else dht.contiguous(), need_dh0=initial_state is not None)
-    dq, dk, _, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc, dk_dtype=k.dtype)
+    dq, dk, _, dgc = output_bwd_dqk(q, k, v, h, dh, do, plan, scale=scale, g=gc)
     return dq, dk, dv.to(v.dtype), dgc, dh0
 
 
