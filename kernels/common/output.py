@@ -194,8 +194,9 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     """Returns ``(dq, dk, dw or None, dg fp32 in cumulative-gate space or None)``, dq and dk in q's
     dtype. The delta rules' WY backward adds its part to this dk: handing it on in bf16 rather than
     fp32 rounds it once more (as fla's delta rules do) and measured 0.03 - 0.05 ms faster for the two
-    stages at 16 heads of 128 and 16K tokens on an H200 (a quarter of their traffic). With q/k of ``HK < H`` heads (groups) dq and dk are per
-    value head, ``[B, T, H, K]``: the caller sums each group."""
+    stages at 16 heads of 128 and 16K tokens on an H200 (a quarter of their traffic). With q/k of
+    ``HK < H`` heads (groups) dq and dk are per value head, ``[B, T, H, K]``: the caller sums each
+    group."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     BK, BV = block_size(K, 64), block_size(V, 64)
