@@ -125,10 +125,9 @@ def test_strong_decay_partial_chunk(backend, cu_list):
     """Gates of about -4 per token: within a partial last chunk the cumulative gate passes -88,
     where exp(-g) overflows fp32. Padded rows (g read as 0) must not pair with valid ones (found as
     NaN grads in deep layers of a 1.3B model on the H200). The gate's gradient sums terms that
-    cancel (the chunk's total is a shift of every gate in it), so its fp32 error is bounded at 2e-4,
-    not 1e-4: over 120 draws (60 seeds, both layouts) it has a median of 4.0e-5, a 90th percentile
-    of 7.0e-5 and a maximum of 1.5e-4 (3.5e-5 / 5.7e-5 / 1.0e-4 with the dq/dk stage's earlier
-    summation order, which already reached the old bound); the other errors stay near 1e-7."""
+    cancel (the chunk's total is a shift of every gate in it), so its fp32 error is bounded at 2e-4:
+    over 120 draws (60 seeds, both layouts) it has a median of 4.0e-5, a 90th percentile of 7.0e-5
+    and a maximum of 1.5e-4; the other errors stay near 1e-7."""
     x, cu = make_inputs("gated_delta", 1, 100, 2, 16, 16, cu_seqlens=cu_list)
     x["g"] = -4.0 - torch.rand_like(x["g"])
     check_against_oracle("gated_delta", x, cu, tol=1e-4, tols={"dg": 2e-4})
