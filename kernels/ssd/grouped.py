@@ -13,14 +13,15 @@ causal triangle ``j <= i`` (formed as a masked difference, exponent <= 0):
 - ``output_fwd``: ``y_h = (C ⊙ exp(G)) h_h + (CB ⊙ Γ_h) v_h (+ D_h x_h``, Mamba2's skip, in fp32
   before the one rounding), reading the CB tile instead of forming it, and x and dt instead of v
   (``dt`` scales the scores' columns).
-- ``output_bwd_dcb``: one program per (chunk, group, block of N) walks the group's heads and keeps
-  three accumulators in registers, ``dC_inter = sum_h (dy_h ⊙ exp(G)) h_h^T``,
-  ``dB_inter^T = sum_h dh_h (v_h ⊙ exp(G_last - G))^T`` and ``M = sum_h (dy_h v_h^T) ⊙ Γ_h``, then
-  writes ``dC = dC_inter + M B`` and ``dB = dB_inter + M^T C`` as ``[B, T, G, N]``: no per-head
-  ``dq``/``dk``, no group sum. It reads x and dt instead of v: ``v = x dt`` and the gate's factors
-  are row and column scales of each head's products, whose operands are the tiles as loaded. On the
-  way it writes each head's state terms of the gate's gradient for the row stage, which then needs
-  neither C nor the states h: ``C_i·(dy_h h_h^T)_i`` (``dy·y^inter`` without its ``exp(G_i)``) and
+- ``output_bwd_dcb``: first ``M = sum_h (dy_h v_h^T) ⊙ Γ_h`` per (chunk, group), ``[NT, G, BT, BT]``
+  in C's dtype (the precision the product with B or C reads it in), by a kernel of its own; then one
+  program per (chunk, group, block of N) walks the group's heads and keeps two accumulators in
+  registers, ``dC_inter = sum_h (dy_h ⊙ exp(G)) h_h^T`` and
+  ``dB_inter = sum_h (v_h ⊙ exp(G_last - G)) dh_h^T``, then writes ``dC = dC_inter + M B`` and
+  ``dB = dB_inter + M^T C`` as ``[B, T, G, N]``: no per-head ``dq``/``dk``, no group sum. It reads x
+  and dt instead of v: ``v = x dt`` and the gate's factors are row and column scales of each head's
+  products, whose operands are the tiles as loaded. On the way it writes each head's state terms
+  of the gate's gradient for the row stage, which then needs neither C nor the states h: ``C_i·(dy_h h_h^T)_i`` (``dy·y^inter`` without its ``exp(G_i)``) and
   ``<h_h, dh_h>``, per block of N (the products are the ones dC needs; the row stage would form a
   ``[BT, N] x [N, P]`` product of its own for them).
 - ``rows_bwd``: one program per (chunk, head) forms the head's full value gradient
@@ -38,9 +39,9 @@ causal triangle ``j <= i`` (formed as a masked difference, exponent <= 0):
   stored inputs; ``dy·y`` with the kept (rounded) output instead measured ten times the error in
   dA, since the query and key sums cancel.
 
-``dB`` is accumulated transposed (``[BK, BT]``, ``M^T C`` as ``C^T M``) so that no transposed dot
-result feeds a ``tl.dot``: that pattern miscompiles on Hopper with Triton 3.4 - 3.7.0 (the note at
-``output.output_bwd_dqk_kernel``, which forms dk transposed for the same reason).
+``M^T`` is read from memory as the transposed tile rather than transposed in registers, so no
+transposed dot result feeds a ``tl.dot``: that pattern miscompiles on Hopper with Triton 3.4 - 3.7.0
+(the note at ``output.output_bwd_dqk_kernel``, which forms dk transposed for the same reason).
 
 Padded rows of a sequence's last chunk: x, B, C, dy load as zeros and the gate as the last valid
 value (``tile.chunk_gate``), so every exponent stays <= 0 and no product turns into ``0 * inf``.
@@ -119,7 +120,33 @@ def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, H: tl
 
 
 @triton.jit
-def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices,
+def scores_grad_kernel(x, dt, do, g, M, cu_seqlens, chunk_indices, H: tl.constexpr, G: tl.constexpr,
+                       P: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """``M = sum_h (dy_h v_h^T) ⊙ Γ_h`` (causal, ``v = x dt``) of one chunk and group, in M's dtype."""
+    i_t, i_r = tl.program_id(0), tl.program_id(1)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    T = eos - bos
+    o_i = tl.arange(0, BT)
+    m_t = i_c * BT + o_i < T
+    m_A = o_i[:, None] >= o_i[None, :]
+    b_m = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_j in range(H // G):
+        i_h = i_r * (H // G) + i_j
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid G
+        b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(tl.cdiv(P, BV)):
+            p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
+            p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
+            b_ds += tl.dot(tl.load(p_do, mask=m_do, other=0.), tl.trans(tl.load(p_x, mask=m_x, other=0.)))
+        b_ds *= b_dt[None, :]  # dy v^T
+        b_m += tl.where(m_A, b_ds * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.)), 0.)
+    p_m, m_m = tile(M + (i_t.to(tl.int64) * G + i_r) * BT * BT, 0, 0, BT, BT, BT, 1, BT, BT)
+    tl.store(p_m, b_m.to(p_m.dtype.element_ty), mask=m_m)
+
+
+@triton.jit
+def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices,
                           H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr):
     i_k, i_t, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,11 +155,9 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, R, cu_seq
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
-    m_A = o_i[:, None] >= o_i[None, :]
     last = tl.minimum((i_c + 1) * BT, T) - 1
     b_dc = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dbT = tl.zeros([BK, BT], dtype=tl.float32)
-    b_m = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT, BK], dtype=tl.float32)
     p_c, m_c = tile(qk_rows(C, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
     b_c = tl.load(p_c, mask=m_c, other=0.)  # [BT, BK]
     for i_j in range(H // G):
@@ -143,39 +168,35 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, R, cu_seq
         b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         # the row scales dt, exp(G) and exp(G_last - G) go on the products, not on the loaded tiles,
         # so every product reads its operands as loaded and the head loop's pipeline can stage them
-        b_ds = tl.zeros([BT, BT], dtype=tl.float32)
         b_dch = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dbh = tl.zeros([BK, BT], dtype=tl.float32)
+        b_dbh = tl.zeros([BT, BK], dtype=tl.float32)
         b_hdh = tl.zeros([BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(P, BV)):
             p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
             p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
             p_h, m_h = tile(p_hb, i_k * BK, i_v * BV, N, P, P, 1, BK, BV)
             p_dh, m_dh = tile(p_dhb, i_k * BK, i_v * BV, N, P, P, 1, BK, BV)
-            b_xT = tl.trans(tl.load(p_x, mask=m_x, other=0.))
-            b_do = tl.load(p_do, mask=m_do, other=0.)  # [BT, BV]
             b_h = tl.load(p_h, mask=m_h, other=0.)
             b_dh = tl.load(p_dh, mask=m_dh, other=0.)
-            b_ds += tl.dot(b_do, b_xT)
-            b_dch += tl.dot(b_do, tl.trans(b_h))
-            b_dbh += tl.dot(b_dh, b_xT)
+            b_dch += tl.dot(tl.load(p_do, mask=m_do, other=0.), tl.trans(b_h))
+            b_dbh += tl.dot(tl.load(p_x, mask=m_x, other=0.), tl.trans(b_dh))
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
         # the row stage's state terms of the gate's gradient, this N block's share: dy_i·y^inter_i
         # without its exp(G_i) (C_i·(dy h^T)_i) and <h, dh>
         tl.store(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, tl.sum(b_c * b_dch, 1), mask=m_t)
         tl.store(hdh + (i_k * NT + i_t) * H + i_h, tl.sum(b_hdh, 0))
         b_dc += b_dch * tl.exp(b_g)[:, None]
-        b_dbT += b_dbh * (b_dt * tl.exp(tl.load(g + (bos + last) * H + i_h) - b_g))[None, :]
-        b_ds *= b_dt[None, :]  # dy v^T, v = x dt
-        b_m += tl.where(m_A, b_ds * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.)), 0.)  # M_h
+        b_db += b_dbh * (b_dt * tl.exp(tl.load(g + (bos + last) * H + i_h) - b_g))[:, None]
+    # the scores' terms M B and M^T C, with M and M^T both read from memory (no transpose in registers)
+    p_m, m_m = tile(M + (i_t.to(tl.int64) * G + i_r) * BT * BT, 0, 0, BT, BT, BT, 1, BT, BT)
+    p_mT, m_mT = tile(M + (i_t.to(tl.int64) * G + i_r) * BT * BT, 0, 0, BT, BT, 1, BT, BT, BT)
     p_bT, m_bT = tile(qk_rows(B, bos, i_r, G, G, N), i_k * BK, i_c * BT, N, T, 1, G * N, BK, BT)
-    b_bT = tl.load(p_bT, mask=m_bT, other=0.)  # [BK, BT]
-    b_dc += tl.dot(b_m.to(b_bT.dtype), tl.trans(b_bT))
-    b_dbT += tl.dot(tl.trans(b_c), b_m.to(b_c.dtype))
+    b_dc += tl.dot(tl.load(p_m, mask=m_m, other=0.), tl.trans(tl.load(p_bT, mask=m_bT, other=0.)))
+    b_db += tl.dot(tl.load(p_mT, mask=m_mT, other=0.), b_c)
     p_dc, m_dc = tile(qk_rows(dC, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
-    p_dbT, m_dbT = tile(qk_rows(dB, bos, i_r, G, G, N), i_k * BK, i_c * BT, N, T, 1, G * N, BK, BT)
+    p_db, m_db = tile(qk_rows(dB, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
     tl.store(p_dc, b_dc.to(p_dc.dtype.element_ty), mask=m_dc)
-    tl.store(p_dbT, b_dbT.to(p_dbT.dtype.element_ty), mask=m_dbT)
+    tl.store(p_db, b_db.to(p_db.dtype.element_ty), mask=m_db)
 
 
 @triton.jit
@@ -273,19 +294,24 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     tensor; the gate's gradient is the row stage's (``chunk._ssd_backward``)."""
     _, _, G, N = C.shape
     H, P = x.shape[2:]
-    # BK 64: the two fp32 accumulators of [BT, 64] and M [BT, BT] with the per-head products fit the
-    # registers of 8 warps; N = 128 runs as two programs per chunk, which recompute dy v^T per head.
-    # Two stages stage the next head's tiles during this head's products: 0.50 ms against 0.73 for
-    # one at Mamba2-1.3B's shape, 8 x 2048, on an H200 (0.56 for BK 128, 0.67 on 4 warps), measured
-    # before the row stage's terms were added (0.58 ms with them)
-    cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=8, num_stages=2)
+    # M once per chunk and group by a kernel of its own (not once per N block inside the head loop),
+    # so this stage keeps two [BT, BK] accumulators and runs on 4 warps with 3 stages staging the next
+    # head's tiles. M's kernel walks the heads on 2 warps: each head's product is one [BT, BT] tile.
+    # H200, 8 x 2048, both kernels: 0.38 ms against 0.58 with M in the head loop (8 warps, 2 stages)
+    # at Mamba2-1.3B's N = 128, 0.28 against 0.35 at N = 64 in 8 groups (0.40 and 0.35 with M's
+    # kernel on 4 warps)
+    M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
+    scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
+                                             BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
+                                                                         num_warps=2, num_stages=2))
+    cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     NK = triton.cdiv(N, cfg["BK"])
     # per N block: dy·y^inter without exp(G) [NK, B, T, H] and <h, dh> [NK, NT, H], fp32
     ydo = dt.new_empty(NK, *dt.shape, dtype=torch.float32)
     hdh = dt.new_empty(NK, plan.num_chunks, H, dtype=torch.float32)
     output_bwd_dcb_kernel[(NK, plan.num_chunks, G)](
-        C, B, x, dt, h, dh, do, g, dC, dB, ydo, hdh, dt.numel() // H, plan.cu_seqlens, plan.chunk_indices,
+        C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, dt.numel() // H, plan.cu_seqlens, plan.chunk_indices,
         H=H, G=G, N=N, P=P, BT=plan.chunk_size, **cfg)
     return dC, dB, (ydo, hdh)
 
