@@ -1,7 +1,8 @@
 """``ttr bench --stages``: each engine stage of an op timed on its own, and (``--sweep``) the launch
 alternatives of ``SWEEPS`` next to the heuristic defaults, fastest first; a winner becomes the
-stage's default in ``kernels/common``. The delta rules, GLA and simple GLA run at H = 16, K = V = 128,
-SSD at Mamba2-1.3B's shape (``SSD_STAGE_SHAPE``) and with N = 64 in 8 groups (``SSD_G8_STAGE_SHAPE``)."""
+stage's default in ``kernels/common``. The delta rules and simple GLA run at H = 16, K = V = 128,
+GLA at gla-1.3b's H = 16, K = 64, V = 128 (``GLA_STAGE_SHAPE``), SSD at Mamba2-1.3B's shape
+(``SSD_STAGE_SHAPE``) and with N = 64 in 8 groups (``SSD_G8_STAGE_SHAPE``)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ from ttr.scripts.bench_kernels import (
     ssd_inputs,
 )
 
+# GLA's stages run at gla-1.3b's layer shape: 16 heads of K = 64 keys and V = 128 values
+GLA_STAGE_SHAPE = Shape("gla", HEADS, 64, 128)
 
-def _stage_inputs(make_inputs, B: int, T: int, device):
-    """bf16 inputs of the benchmark's shape, an output gradient, the scale and the chunk plan."""
+
+def _stage_inputs(make_inputs, B: int, T: int, device, shape: Shape | None = None):
+    """bf16 inputs of ``shape`` (default H = HEADS, K = V = HEAD_DIM), an output gradient, the scale
+    and the chunk plan."""
     from ttr.kernels.common.index import prepare_chunks
 
-    x = make_inputs(B, T, Shape("", HEADS, HEAD_DIM, HEAD_DIM), torch.bfloat16, device)
-    return x, torch.randn_like(x["v"]), HEAD_DIM**-0.5, prepare_chunks(None, B, T, device=device)
+    shape = Shape("", HEADS, HEAD_DIM, HEAD_DIM) if shape is None else shape
+    x = make_inputs(B, T, shape, torch.bfloat16, device)
+    return x, torch.randn_like(x["v"]), shape.K**-0.5, prepare_chunks(None, B, T, device=device)
 
 
 def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
@@ -64,26 +70,24 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.state import state_bwd, state_fwd
 
-    x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device)
+    x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device, GLA_STAGE_SHAPE)
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
     gk = chunk_local_cumsum(g, plan)
     h, _, _ = state_fwd(k, v, plan, gk=gk)
     A = vg.vector_gate_scores(q, k, gk, plan, scale=scale)
-    dvi = vg.vector_gate_dv(A, do, plan)
+    dvi, dA = vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)
     dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
-    dA = vg.vector_gate_dA(v, do, plan, scale=scale)
     dqi, dki = vg.vector_gate_intra_bwd(q, k, gk, dA, plan)
     return {
         "cumsum": lambda: chunk_local_cumsum(g, plan),
         "state_fwd": lambda: state_fwd(k, v, plan, gk=gk),
         "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
         "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
-        "vector_gate_dv": lambda: vg.vector_gate_dv(A, do, plan),
+        "vector_gate_dv_dA": lambda: vg.vector_gate_dv_dA(A, v, do, plan, scale=scale),
         "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
         # the same calls again under the names of the two-level pass's scan tunings (for --sweep)
         "state_fwd_scan": lambda: state_fwd(k, v, plan, gk=gk),
         "state_bwd_scan": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
-        "vector_gate_dA": lambda: vg.vector_gate_dA(v, do, plan, scale=scale),
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
         "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan, scale=scale),
     }
@@ -192,8 +196,12 @@ SWEEPS = {
     "gla": {
         "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
                                for ns in (1, 2, 3)],
-        "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (4, 8)
-                                  for ns in (1, 2)],
+        "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (16, 32, 64) for nw in (2, 4, 8)
+                                  for ns in (1, 2, 3)],
+        "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
+                                 for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)],
+        "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (64, 128)
+                               for nw in (4, 8) for ns in (1, 2, 3)],
         # the sequential state pass (two_level=False) against the two-level one's tiles
         "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"],
         "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"],

@@ -45,15 +45,15 @@ sub-chunk whose per-token log gates are >= -4 in every key dimension spans <= 60
 usual gates (``logsigmoid(x) / 16``) the fallback is rare. In the off-diagonal blocks an underflow
 to 0 of one factor is harmless: the true product is smaller still.
 
-The backward: ``dA = scale * tril(do v^T)`` (``vector_gate_dA``), the intra parts of dq and dk
-(``vector_gate_intra_bwd``), and ``vector_gate_bwd_dqkg``, which adds the inter-chunk parts
-(through the states ``h`` and their gradients ``dh`` from ``state.state_bwd``) and turns
+The backward: ``dA = scale * tril(do v^T)`` and the intra part of v's gradient, ``A^T do``, which
+``state.state_bwd`` completes (both from one read of do, ``vector_gate_dv_dA``), the intra parts of
+dq and dk (``vector_gate_intra_bwd``), and ``vector_gate_bwd_dqkg``, which adds the inter-chunk
+parts (through the states ``h`` and their gradients ``dh`` from ``state.state_bwd``) and turns
 ``dG = q ⊙ dq - k ⊙ dk`` (+ the last-row terms of the state update) into the gradient of the raw
-gate by a reverse cumulative sum within the chunk. The gradient of v is ``A^T do``
-(``vector_gate_dv``, the intra part that ``state.state_bwd`` completes).
+gate by a reverse cumulative sum within the chunk.
 
 Shapes: q, k, gk_cum ``[B, T, H, K]``; v, do ``[B, T, H, V]``; A, dA ``[B, T, H, BT]`` fp32;
-h, dh ``[NT, H, K, V]`` fp32 (per chunk, see ``index.ChunkPlan``).
+h, dh ``[NT, H, K, V]`` in k's dtype (per chunk, see ``index.ChunkPlan``).
 """
 
 from __future__ import annotations
@@ -70,11 +70,10 @@ SUB_CHUNK = 16
 # tensor-core product; beyond it the per-token loop. Factors stay in [e^-60, e^60]: normal fp32/tf32
 # with e^28 headroom below fp32's e^88 for |q k| and sums of BK terms (module docstring).
 SAFE_SPAN = 60.0
-# Launch parameters: each launcher's defaults are the fastest of a sweep at the benchmark shape
-# (``ttr bench --stages --ops gla --sweep``: H = 16, K = V = 128, bf16) and can be overridden
-# through ``index.TUNING`` under the stage names "vector_gate_scores", "vector_gate_output",
-# "vector_gate_dv", "vector_gate_dA", "vector_gate_intra_bwd", "vector_gate_bwd_dqkg".
-NUM_WARPS = 8
+# Launch parameters: each launcher's defaults are the fastest of a sweep (``ttr bench --stages --ops
+# gla --sweep``: gla-1.3b's H = 16, K = 64, V = 128, bf16; the comments say where K = 128 differs) and
+# can be overridden through ``index.TUNING`` under the stage names "vector_gate_scores",
+# "vector_gate_output", "vector_gate_dv_dA", "vector_gate_intra_bwd", "vector_gate_bwd_dqkg".
 
 
 @triton.jit
@@ -165,34 +164,23 @@ def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scal
 
 
 @triton.jit
-def vector_gate_dv_kernel(A, do, dv, cu_seqlens, chunk_indices, H: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BV: tl.constexpr):
-    i_t, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
-    o_t = bos + i_c * BT + tl.arange(0, BT)
-    m_t = o_t < eos
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-    b_A = tl.load(A + (o_t[:, None] * H + i_h) * BT + tl.arange(0, BT)[None, :], mask=m_t[:, None], other=0)
-    b_do = tl.load(do + (o_t[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0)  # [BT, BV]
-    b_dv = tl.dot(tl.trans(b_A).to(b_do.dtype), b_do)
-    tl.store(dv + (o_t[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit
-def vector_gate_dA_kernel(v, do, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BV: tl.constexpr):
+def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr, V: tl.constexpr,
+                             BT: tl.constexpr, BV: tl.constexpr):
+    """One chunk of one head: ``dv = A^T do`` and ``dA = scale tril(do v^T)``, do read once for both."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_c = tl.arange(0, BT)
     o_t = bos + i_c * BT + o_c
     m_t = o_t < eos
+    b_A = tl.load(A + (o_t[:, None] * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + (o_t[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0)  # [BT, BV]
         b_v = tl.load(v + (o_t[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0)
+        b_dv = tl.dot(tl.trans(b_A).to(b_do.dtype), b_do)
+        tl.store(dv + (o_t[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_dA += tl.dot(b_do, tl.trans(b_v))
     b_dA = tl.where(o_c[:, None] >= o_c[None, :], b_dA * scale, 0)
     tl.store(dA + (o_t[:, None] * H + i_h) * BT + o_c[None, :], b_dA, mask=m_t[:, None])
@@ -338,7 +326,8 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
     # Few warps and narrow K blocks: the products are small ([16, 32] tiles), so more warps only
-    # add synchronisation; one stage, since each program loads every K block once.
+    # add synchronisation; one stage, since each program loads every K block once. H200, 8 x 2048:
+    # 0.245 ms against 0.343 for BK 64 at K = 128; at gla-1.3b's K = 64, 0.141 against 0.134
     cfg = tuned("vector_gate_scores", BK=block_size(K, 32), num_warps=2, num_stages=1)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
         q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
@@ -359,24 +348,19 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     return o
 
 
-def vector_gate_dv(A, do, plan: ChunkPlan) -> torch.Tensor:
-    """The intra-chunk gradient of v: ``A^T do`` (fp32)."""
+def vector_gate_dv_dA(A, v, do, plan: ChunkPlan, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The intra-chunk gradient of v, ``A^T do`` in do's dtype (``state.state_bwd`` adds the state's
+    share and hands dv on in the same dtype), and ``dA = scale * tril(do v^T)`` per chunk,
+    ``[B, T, H, BT]`` fp32 (includes the score scale)."""
     B, T, H, V = do.shape
-    dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dv", BV=block_size(V, 128), num_warps=4)
-    vector_gate_dv_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
-        A, do, dv, plan.cu_seqlens, plan.chunk_indices, H=H, V=V, BT=plan.chunk_size, **cfg)
-    return dv
-
-
-def vector_gate_dA(v, do, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
-    """``dA = scale * tril(do v^T)`` per chunk, ``[B, T, H, BT]`` fp32 (includes the score scale)."""
-    B, T, H, V = v.shape
-    dA = torch.empty(B, T, H, plan.chunk_size, device=v.device, dtype=torch.float32)
-    cfg = tuned("vector_gate_dA", BV=block_size(V, 64), num_warps=NUM_WARPS)
-    vector_gate_dA_kernel[(plan.num_chunks, H)](v, do, dA, plan.cu_seqlens, plan.chunk_indices, scale, H=H, V=V,
-                                               BT=plan.chunk_size, **cfg)
-    return dA
+    dv = torch.empty_like(do)
+    dA = torch.empty(B, T, H, plan.chunk_size, device=do.device, dtype=torch.float32)
+    # one V block of 128 on 4 warps: 0.089 ms against 0.112 for the two products as kernels of their
+    # own at H = 16, K = 64, V = 128, 8 x 2048 on an H200 (0.092 for BV 64, 0.109 on 8 warps)
+    cfg = tuned("vector_gate_dv_dA", BV=block_size(V, 128), num_warps=4)
+    vector_gate_dv_dA_kernel[(plan.num_chunks, H)](A, v, do, dv, dA, plan.cu_seqlens, plan.chunk_indices, scale,
+                                                   H=H, V=V, BT=plan.chunk_size, **cfg)
+    return dv, dA
 
 
 def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
@@ -389,9 +373,11 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    # Narrow K blocks with 4 warps and 2 stages: wider blocks or 8 warps keep more [16, BK] fp32
-    # tiles live than the registers hold.
-    cfg = tuned("vector_gate_intra_bwd", BK=block_size(K, 32), num_warps=4, num_stages=2)
+    # All of K (up to 128) in one block, on 2 warps for 64 keys and 4 for 128: H200, 8 x 2048, 0.271 ms
+    # against 0.355 for BK 32 on 4 warps at gla-1.3b's K = 64, 0.521 against 0.626 at K = 128; 8
+    # warps keep more [16, BK] fp32 tiles live than the registers hold
+    BK = block_size(K, 128)
+    cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
         SAFE_SPAN=SAFE_SPAN, **cfg)

@@ -7,12 +7,13 @@ at a sub-chunk boundary; the diagonal 16 x 16 blocks as one product when the gat
 sub-chunk keeps every factor below e^60, else token by token: see that module);
 ``o = scale (q ⊙ exp(G)) h + A v``.
 
-Backward: ``dv = A^T do`` completed by ``state.state_bwd`` (which also yields ``dh`` and
-``dh0``); ``dA = scale tril(do v^T)`` gives the intra parts of dq and dk; the inter parts and the
+Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do) completed by
+``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk; the inter parts and the
 gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the state-update terms at the
-chunk's last row) come from ``vector_gate_bwd_dqkg``. The states ``h`` (and the cumulative gate)
-are recomputed in the backward, or for long sequences kept by the forward
-(``index.KEEP_STATES_MIN_CHUNKS``); ``A`` is kept.
+chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage to stage in v's dtype.
+The forward keeps ``A`` and the cumulative gate (in place of the raw gate, which the backward does
+not need); the states ``h`` are recomputed in the backward, or for long sequences kept by the
+forward (``index.KEEP_STATES_MIN_CHUNKS``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import keep_states, prepare_chunks
 from ttr.kernels.common.intra_vector_gate import (
     vector_gate_bwd_dqkg,
-    vector_gate_dA,
-    vector_gate_dv,
+    vector_gate_dv_dA,
     vector_gate_intra_bwd,
     vector_gate_output,
     vector_gate_scores,
@@ -46,29 +46,29 @@ class ChunkGLAFunction(torch.autograd.Function):
                                 output_final_state=output_final_state)
         A = vector_gate_scores(q, k, gk, plan, scale=scale)
         o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
-        kept = (gk, h) if keep_states(plan) else ()
-        ctx.save_for_backward(q, k, v, g, A, initial_state, *kept)
+        # the cumulative gate in place of the raw one (the backward needs only it): the same memory,
+        # no second cumsum pass over [B, T, H, K] fp32
+        kept = (h,) if keep_states(plan) else ()
+        ctx.save_for_backward(q, k, v, gk, A, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, A, initial_state, *kept = ctx.saved_tensors
+        q, k, v, gk, A, initial_state, *kept = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         if kept:
-            gk, h = kept
+            (h,) = kept
         else:
-            gk = chunk_local_cumsum(g, plan)
             h, _, _ = state_fwd(k, v, plan, gk=gk, initial_state=initial_state)
-        dv_intra = vector_gate_dv(A, do, plan)
+        dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
         dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
                                 dht=None if dht is None else dht.contiguous(),
                                 need_dh0=initial_state is not None)
-        dA = vector_gate_dA(v, do, plan, scale=scale)
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
         dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dq_intra, dk_intra, plan, scale=scale)
-        return dq, dk, dv.to(v.dtype), dg, dh0, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None
 
 
 @on_input_device
