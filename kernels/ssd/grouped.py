@@ -21,9 +21,10 @@ causal triangle ``j <= i`` (formed as a masked difference, exponent <= 0):
   ``dB = dB_inter + M^T C`` as ``[B, T, G, N]``: no per-head ``dq``/``dk``, no group sum. It reads x
   and dt instead of v: ``v = x dt`` and the gate's factors are row and column scales of each head's
   products, whose operands are the tiles as loaded. On the way it writes each head's state terms
-  of the gate's gradient for the row stage, which then needs neither C nor the states h: ``C_i·(dy_h h_h^T)_i`` (``dy·y^inter`` without its ``exp(G_i)``) and
-  ``<h_h, dh_h>``, per block of N (the products are the ones dC needs; the row stage would form a
-  ``[BT, N] x [N, P]`` product of its own for them).
+  of the gate's gradient for the row stage, which then needs neither C nor the states h:
+  ``C_i·(dy_h h_h^T)_i`` (``dy·y^inter`` without its ``exp(G_i)``) and ``<h_h, dh_h>``, per block
+  of N (the products are the ones dC needs; the row stage would form a ``[BT, N] x [N, P]`` product
+  of its own for them).
 - ``rows_bwd``: one program per (chunk, head) forms the head's full value gradient
   ``dv = (CB ⊙ Γ_h)^T dy_h + (B ⊙ exp(G_last - G)) dh_h`` (the state pass leaves that share to it)
   and from it ``dx = dv dt + D dy``, ``ddt = sum_p dv x + A dg``, the chunk's shares of
