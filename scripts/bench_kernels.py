@@ -557,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.op} {s.label()} {B} x {T}: {rows()[s.op].reference_name}; {', '.join(s.presets) or args.shapes}")
         return 0
     device = torch.device(args.device)
+    if (args.stages or args.profile) and device.type != "cuda":
+        parser.error(f"--{'stages' if args.stages else 'profile'} times CUDA kernels: it needs --device cuda, "
+                     f"not {args.device}")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("ttr bench needs a CUDA GPU (--dry-run lists the rows; --device cpu runs the code paths)",
               file=sys.stderr)

@@ -66,7 +66,9 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
     cases = [(["--ops", "lstm"], "--ops: unknown"), (["--stages", "--ops", "swa"], "--ops: unknown"),
              (["--presets", "gla-7b"], "--presets: unknown"), (["--seqlens", "4k"], "--seqlens"),
              (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs"),
-             (["--stages", "--ops", "ssd", "--sweep", "wy_fwd"], "--sweep: unknown stages ['wy_fwd']")]
+             (["--stages", "--ops", "ssd", "--sweep", "wy_fwd"], "--sweep: unknown stages ['wy_fwd']"),
+             (["--stages", "--ops", "gla", "--device", "cpu"], "--stages times CUDA kernels"),
+             (["--profile", "--device", "cpu"], "--profile times CUDA kernels")]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             bench_kernels.main(argv)
