@@ -297,14 +297,15 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     H, P = x.shape[2:]
     # M once per chunk and group by a kernel of its own (not once per N block inside the head loop),
     # so this stage keeps two [BT, BK] accumulators and runs on 4 warps with 3 stages staging the next
-    # head's tiles. M's kernel walks the heads on 2 warps: each head's product is one [BT, BT] tile.
-    # H200, 8 x 2048, both kernels: 0.38 ms against 0.58 with M in the head loop (8 warps, 2 stages)
-    # at Mamba2-1.3B's N = 128, 0.28 against 0.35 at N = 64 in 8 groups (0.40 and 0.35 with M's
-    # kernel on 4 warps)
+    # head's tiles. H200, 8 x 2048, both kernels: 0.40 ms against 0.58 with M in the head loop (8
+    # warps, 2 stages) at Mamba2-1.3B's N = 128, 0.35 against 0.35 at N = 64 in 8 groups. M's kernel
+    # on 2 warps measured 0.38 and 0.28, but its bf16 gradients have not been through the GPU tests
+    # (a launch change can miscompile on Hopper: docs/benchmarks.md, "Known caveats"), so it runs
+    # on the 4 warps they passed with
     M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
     scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
                                              BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
-                                                                         num_warps=2, num_stages=2))
+                                                                         num_warps=4, num_stages=2))
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     NK = triton.cdiv(N, cfg["BK"])
