@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [  # (B, T, H, K, V, cu_seqlens)
     (2, 2048, 4, 128, 128, None),
+    (2, 2048, 4, 64, 128, None),  # gla-1.3b's head shape (its own launch defaults)
     (1, 8192, 2, 128, 128, None),
     (1, 1024, 2, 256, 256, None),
     (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]),
