@@ -150,6 +150,8 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
+        # the dB/dC call again under the tuning name of its scores-gradient kernel (for --sweep)
+        "ssd_scores_grad": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
     }
 
 
@@ -213,8 +215,10 @@ SWEEPS = {
     "ssd": {
         "ssd_output_bwd_dcb": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
                                for bv in (32, 64) for nw in (4, 8) for ns in (1, 2, 3)],
-        "ssd_output_fwd": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (32, 64)
+        "ssd_output_fwd": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for bv in (32, 64)
                            for nw in (4, 8) for ns in (2, 3)],
+        "ssd_scores_grad": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (32, 64) for nw in (2, 4, 8)
+                            for ns in (1, 2, 3)],
         # BK 32: an illegal memory access on Hopper (Triton 3.6), as simple GLA's dq/dk stage below
         "ssd_rows_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
                          for ns in (1, 2, 3)],
