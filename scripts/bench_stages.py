@@ -85,9 +85,6 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
         "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
         "vector_gate_dv_dA": lambda: vg.vector_gate_dv_dA(A, v, do, plan, scale=scale),
         "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
-        # the same calls again under the names of the two-level pass's scan tunings (for --sweep)
-        "state_fwd_scan": lambda: state_fwd(k, v, plan, gk=gk),
-        "state_bwd_scan": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
         "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan, scale=scale),
     }
@@ -150,8 +147,6 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
-        # the dB/dC call again under the tuning name of its scores-gradient kernel (for --sweep)
-        "ssd_scores_grad": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
     }
 
 
@@ -186,6 +181,11 @@ DELTA_SWEEP = {
                                                                   for bv in (32, 64) for ns in (2, 3)],
     **STATE_WALK_SWEEP,
 }
+
+# Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their
+# name (the two-level state pass's scan, the dB/dC stage's scores-gradient kernel); the stage line
+# and its total list each call once.
+SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb"}
 
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
@@ -267,5 +267,5 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str
             for B, T in shapes:
                 calls = STAGE_CALLS[name](B, T, device, *([shape] if shape else []))
                 label = f"{name} {shape.label() + ' ' if shape else ''}{B}x{T}"
-                out += time_stages(calls, label, alternatives)
+                out += time_stages(calls, label, alternatives, aliases=SWEEP_ALIASES)
     return "\n".join(out)

@@ -153,9 +153,12 @@ def describe_environment(env: dict) -> str:
             f"fla {fla or 'not installed'}, ttr {env['ttr']}")
 
 
-def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5) -> list[str]:
+def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5,
+                aliases: dict | None = None) -> list[str]:
     """Median ms of every stage closure in ``calls`` and, with ``sweep`` (stage -> list of launch
-    overrides for ``index.TUNING``), of each alternative, fastest first. Prints and returns the lines."""
+    overrides for ``index.TUNING``), of each alternative, fastest first. A swept tuning name that is
+    not a call of its own is timed through the call ``aliases`` names for it. Prints and returns the
+    lines."""
     import sys
 
     from triton.testing import do_bench
@@ -170,17 +173,18 @@ def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5
              + f"; total {sum(times.values()):.3f}"]
     print(lines[-1], flush=True)
     for stage, options in (sweep or {}).items():
+        call = stage if stage in calls else (aliases or {})[stage]
         results = []
         for cfg in options:
             TUNING[stage] = cfg
             try:
-                results.append((bench(calls[stage]), cfg))
+                results.append((bench(calls[call]), cfg))
             except Exception as e:  # a configuration that does not fit is skipped
                 print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
             finally:
                 TUNING.pop(stage, None)
         results.sort(key=lambda r: r[0])
-        lines.append(f"  sweep {stage} {label}: default {times[stage]:.3f}; "
+        lines.append(f"  sweep {stage} {label}: default {times[call]:.3f}; "
                      + "; ".join(f"{t:.3f} {c}" for t, c in results[:top]))
         print(lines[-1], flush=True)
     return lines

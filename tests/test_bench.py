@@ -151,11 +151,13 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(bench_stages, "HEAD_DIM", 16)
     monkeypatch.setattr(bench_stages, "SSD_STAGE_SHAPE", bench_kernels.Shape("ssd", 2, 16, 16, groups=1))
     monkeypatch.setattr(bench_stages, "SSD_G8_STAGE_SHAPE", bench_kernels.Shape("ssd", 4, 16, 16, groups=2))
+    monkeypatch.setattr(bench_stages, "GLA_STAGE_SHAPE", bench_kernels.Shape("gla", 2, 16, 32))
     assert [s.groups for s in bench_stages.stage_shapes("ssd")] == [1, 2]
     for name, stage_calls in bench_stages.STAGE_CALLS.items():
         for shape in bench_stages.stage_shapes(name):
             calls = stage_calls(1, 80, torch.device("cpu"), *([shape] if shape else []))
-            assert set(bench_stages.SWEEPS.get(name, {})) <= set(calls)
+            swept = {bench_stages.SWEEP_ALIASES.get(s, s) for s in bench_stages.SWEEPS.get(name, {})}
+            assert swept <= set(calls), swept - set(calls)
             for fn in calls.values():
                 fn()
 
