@@ -275,11 +275,12 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
     _, _, G, N = C.shape
     H, P = x.shape[2:]
     o = torch.empty_like(x)
-    # one program covers a whole head of up to 128 values, so the CB tile and the gate are read once;
-    # BK 64 on an H200 at 8 x 2048 (Triton 3.6): 0.239 against 0.268 ms for BK 32 at N = 64 in 8 groups,
-    # 0.297 against 0.303 at Mamba2-1.3B's N = 128
+    # one program covers a whole head of up to 128 values, so the CB tile and the gate are read once,
+    # and at up to 64 values all of N up to 128 in one block. H200 at 8 x 2048 (Triton 3.6): 0.242 ms
+    # at N = 64 in 8 groups (BK 32: 0.272); 0.256 at Mamba2-1.3B's N = 128 against 0.300 for BK 64
     BV = block_size(P, 128)
-    cfg = tuned("ssd_output_fwd", BK=block_size(N, 64), BV=BV, num_warps=4 if BV <= 64 else 8, num_stages=3)
+    cfg = tuned("ssd_output_fwd", BK=block_size(N, 128 if BV <= 64 else 64), BV=BV,
+                num_warps=4 if BV <= 64 else 8, num_stages=3)
     output_fwd_kernel[(triton.cdiv(P, cfg["BV"]), plan.num_chunks, H)](
         C, x, dt, h, cb, g, D, o, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
         HAS_D=D is not None, **cfg)
@@ -297,15 +298,14 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     H, P = x.shape[2:]
     # M once per chunk and group by a kernel of its own (not once per N block inside the head loop),
     # so this stage keeps two [BT, BK] accumulators and runs on 4 warps with 3 stages staging the next
-    # head's tiles. H200, 8 x 2048, both kernels: 0.40 ms against 0.58 with M in the head loop (8
-    # warps, 2 stages) at Mamba2-1.3B's N = 128, 0.35 against 0.35 at N = 64 in 8 groups. M's kernel
-    # on 2 warps measured 0.38 and 0.28, but its bf16 gradients have not been through the GPU tests
-    # (a launch change can miscompile on Hopper: docs/benchmarks.md, "Known caveats"), so it runs
-    # on the 4 warps they passed with
+    # head's tiles; M's kernel walks the heads on 2 warps (each head's product is one [BT, BT] tile).
+    # H200, 8 x 2048, both kernels: 0.38 ms against 0.58 with M in the head loop (8 warps, 2 stages)
+    # at Mamba2-1.3B's N = 128, 0.29 against 0.35 at N = 64 in 8 groups (0.40 and 0.35 with M's
+    # kernel on 4 warps)
     M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
     scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
                                              BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
-                                                                         num_warps=4, num_stages=2))
+                                                                         num_warps=2, num_stages=3))
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     NK = triton.cdiv(N, cfg["BK"])
