@@ -10,7 +10,8 @@ sub-chunk keeps every factor below e^60, else token by token: see that module);
 Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do) completed by
 ``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
 the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the
-state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage to stage in v's dtype.
+state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
+to stage in v's dtype.
 The forward keeps ``A`` and the cumulative gate (in place of the raw gate, which the backward does
 not need); the states ``h`` are recomputed in the backward, or for long sequences kept by the
 forward (``index.KEEP_STATES_MIN_CHUNKS``).
