@@ -179,15 +179,11 @@ def _conv_fwd_kernel(
     SILU: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
-    dy=None,
-    GRAD: tl.constexpr = False,
     eps=1e-6,
     L2: tl.constexpr = 0,
 ):
-    """y = act(conv(x)); with GRAD, y = the gradient of conv(x) from the output's dy (the first
-    backward pass). With L2 > 0 the output is normalised to unit L2 norm over each run of L2
-    channels (a head): y = u / sqrt(sum u^2 + eps) with u = act(conv(x)) in fp32, so the norm's
-    backward, dy -> rstd * (dy - y * sum(dy * y)), also happens here from the recomputed u."""
+    """y = act(conv(x)). With L2 > 0 the output is normalised to unit L2 norm over each run of L2
+    channels (a head): y = u / sqrt(sum u^2 + eps) with u = act(conv(x)) in fp32."""
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -204,20 +200,110 @@ def _conv_fwd_kernel(
     else:
         b_u = b_a
     if L2 > 0:
-        b_rstd = 1.0 / tl.sqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
-    if GRAD:
-        p_dy = dy + i_b.to(tl.int64) * T * D + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
-        b_dy = tl.load(p_dy, mask=m_td, other=0.0).to(tl.float32)
-        if L2 > 0:
-            b_yn = b_u * b_rstd
-            b_dy = b_rstd * (b_dy - b_yn * _group_sum(b_dy * b_yn, BT, BD, L2))
-        if SILU:
-            b_dy = b_dy * b_sig * (1.0 + b_a * (1.0 - b_sig))
-        tl.store(p_y, b_dy.to(y.dtype.element_ty), mask=m_td)
+        b_u = b_u / tl.sqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
+    tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
+
+
+@triton.jit
+def _cols_if(o_d, D, cond):
+    """The channel mask o_d < D where the scalar ``cond`` holds, else none (one vector compare; the
+    interpreter turns a vector mask & a scalar bool into integers). # [BD]"""
+    return o_d < tl.where(cond, D, 0)
+
+
+@triton.jit
+def _row(p, t, o_d, D, T, s_t):
+    """Row t of a [T, D] tensor whose rows are s_t elements apart, zeros outside 0 <= t < T. # [BD]"""
+    return tl.load(p + t.to(tl.int64) * s_t + o_d, mask=_cols_if(o_d, D, (t >= 0) & (t < T)), other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _group_sum_row(b_t, BD: tl.constexpr, L2: tl.constexpr):
+    """Sums of b_t over each run of L2 channels, broadcast back over the run. # [BD]"""
+    b_g = tl.sum(tl.reshape(b_t, [BD // L2, L2]), axis=1)
+    return tl.reshape(tl.broadcast_to(b_g[:, None], [BD // L2, L2]), [BD])
+
+
+@triton.jit
+def _token_span(seq_idx, cu, t, T, IS_VARLEN: tl.constexpr):
+    """(sequence id, first token, end) of token t (t outside 0..T-1: a sequence that ends at T)."""
+    if IS_VARLEN:
+        i_n = tl.load(seq_idx + tl.minimum(tl.maximum(t, 0), T - 1))
+        return i_n, tl.load(cu + i_n).to(tl.int32), tl.load(cu + i_n + 1).to(tl.int32)
     else:
-        if L2 > 0:
-            b_u = b_u * b_rstd
-        tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
+        # tensors like the packed case's, so the walk's prefetched values keep one type in its loop
+        return t * 0, t * 0, t * 0 + T
+
+
+@triton.jit
+def _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN: tl.constexpr):
+    """What the walk loads for token t: x(t - 3), dy(t) and t's sequence (id, first token, end)."""
+    i_n, bos, eos = _token_span(seq_idx, cu, t, T, IS_VARLEN)
+    if not IS_VARLEN:
+        i_n += i_b
+    return _row(x, t - 3, o_d, D, T, s_xt), _row(dy, t, o_d, D, T, D), i_n, bos, eos
+
+
+@triton.jit
+def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+                b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
+                W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, BD: tl.constexpr):
+    """One token of the backward walk (``_conv_bwd_kernel``): the pre-activation's gradient
+    da(t) from dy(t) and the inputs x(t-3..t) (b_x0..b_x2 carried, b_xn = x(t-3) loaded), and
+    dx(t) = sum_s w[W-1-s] da(t+s) from the da of the W-1 tokens after t (b_d1..b_d3, carried).
+    Returns da(t), dx(t), the sources s = 0..3 that dw's taps multiply (zero where unused) and the
+    carried da(t+1), da(t+2), zeroed where they belong to the next sequence."""
+    pos = t - bos
+    if IS_VARLEN:
+        # t is the last token of its sequence: the carried da belong to the next one
+        b_d1 = tl.where(t + 1 < eos, b_d1, 0.0)
+        b_d2 = tl.where(t + 1 < eos, b_d2, 0.0)
+        b_d3 = tl.where(t + 1 < eos, b_d3, 0.0)
+    # the inputs tap s reads: x(t - s) inside the sequence, else the initial state's slot W-1-s+pos
+    b_s1 = tl.where(pos >= 1, b_x1, 0.0)
+    b_s2 = tl.where(pos >= 2, b_x2, 0.0)
+    b_s3 = tl.where(pos >= 3, b_xn, 0.0)
+    if HAS_INIT:
+        p_h = init + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1)
+        b_s1 += tl.load(p_h + (W - 2 + pos), mask=_cols_if(o_d, D, pos < 1), other=0.0).to(tl.float32)
+        if W > 2:
+            b_s2 += tl.load(p_h + (W - 3 + pos), mask=_cols_if(o_d, D, pos < 2), other=0.0).to(tl.float32)
+        if W > 3:
+            b_s3 += tl.load(p_h + (W - 4 + pos), mask=_cols_if(o_d, D, pos < 3), other=0.0).to(tl.float32)
+    b_a = b_w0 * b_x0 + b_w1 * b_s1 + b_w2 * b_s2 + b_w3 * b_s3
+    if HAS_BIAS:
+        b_a += b_bias
+    b_g = b_dy
+    if SILU:
+        b_sig = tl.sigmoid(b_a)
+        b_u = b_a * b_sig
+    else:
+        b_u = b_a
+    if L2 > 0:
+        b_rstd = 1.0 / tl.sqrt(_group_sum_row(b_u * b_u, BD, L2) + eps)
+        b_yn = b_u * b_rstd
+        b_g = b_rstd * (b_g - b_yn * _group_sum_row(b_g * b_yn, BD, L2))
+    if SILU:
+        b_g = b_g * b_sig * (1.0 + b_a * (1.0 - b_sig))
+    b_dx = b_w0 * b_g + b_w1 * b_d1 + b_w2 * b_d2 + b_w3 * b_d3
+    inside = (t >= t_lo) & (t < t_hi)
+    if HAS_DFINAL:
+        # the last W-1 tokens of a sequence are also its final state, slot j = t - (eos - (W-1))
+        j = t - (eos - (W - 1))
+        p_f = dfinal + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1) + j
+        b_dx += tl.load(p_f, mask=_cols_if(o_d, D, (j >= 0) & inside), other=0.0).to(tl.float32)
+    if HAS_INIT:
+        # tokens with pos < s read state slot W-1-s+pos (at most W-1 tokens per sequence)
+        p_h = dinit + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1)
+        tl.atomic_add(p_h + (W - 2 + pos), b_g * b_w1, mask=_cols_if(o_d, D, (pos < 1) & inside))
+        if W > 2:
+            tl.atomic_add(p_h + (W - 3 + pos), b_g * b_w2, mask=_cols_if(o_d, D, (pos < 2) & inside))
+        if W > 3:
+            tl.atomic_add(p_h + (W - 4 + pos), b_g * b_w3, mask=_cols_if(o_d, D, (pos < 3) & inside))
+    return b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2
 
 
 @triton.jit
@@ -238,63 +324,110 @@ def _conv_bwd_kernel(
     D,
     s_xb,
     s_xt,
-    NT,
+    NS,
+    eps,
     W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INIT: tl.constexpr,
     HAS_DFINAL: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    BT: tl.constexpr,
+    SILU: tl.constexpr,
+    L2: tl.constexpr,
+    SEG: tl.constexpr,
     BD: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
 ):
-    """dx, and partial dw/db/dinit, from ``dy`` = the gradient of the pre-activation (a SiLU's
-    derivative is applied before, by ``_conv_fwd_kernel`` with GRAD)."""
-    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    """The whole backward in one pass: each program walks SEG tokens of BD channels from the last
+    token down, so every token's da is formed once and kept in registers for the W-1 tokens before
+    it, and x, dy and dx pass through memory once (two passes with da stored between them move
+    twice the bytes). The walk starts W-1 tokens after its segment to form the da its last tokens
+    need. Partial dw/db per program ([B * NS, W, D], [B * NS, D]) are summed by the launcher."""
+    i_s, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
-    m_t, m_d = o_t < T, o_d < D
-    i_n, bos, eos = _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN)
-    pos = o_t - bos
+    m_d = o_d < D
     x += i_b.to(tl.int64) * s_xb
     dy += i_b.to(tl.int64) * T * D
     dx += i_b.to(tl.int64) * T * D
-    # da(t) at this block's own tokens, for dw, db and the initial-state grad
-    m_td = m_t[:, None] & m_d[None, :]
-    b_da = tl.load(dy + o_t.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
-    # partial sums of this block, reduced over blocks by the launcher: dw [B * NT, W, D], db [B * NT, D]
-    i_p = (i_b * NT + i_t).to(tl.int64)
-    for s in tl.static_range(W):
-        b_src = _load_src(x, init, i_n, o_t, pos, o_d, m_t, m_d, D, s_xt, s, W, HAS_INIT)
-        tl.store(dw + (i_p * W + (W - 1 - s)) * D + o_d, tl.sum(b_da * b_src, axis=0), mask=m_d)
+    # tap s multiplies x(t - s): w[:, W-1-s] (zero for s >= W)
+    b_w0 = tl.load(w + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
+    b_w1 = tl.load(w + o_d * W + (W - 2), mask=m_d, other=0.0).to(tl.float32)
+    b_w2 = tl.zeros([BD], dtype=tl.float32)
+    b_w3 = tl.zeros([BD], dtype=tl.float32)
+    if W > 2:
+        b_w2 = tl.load(w + o_d * W + (W - 3), mask=m_d, other=0.0).to(tl.float32)
+    if W > 3:
+        b_w3 = tl.load(w + o_d * W + (W - 4), mask=m_d, other=0.0).to(tl.float32)
+    b_bias = tl.zeros([BD], dtype=tl.float32)
     if HAS_BIAS:
-        tl.store(db + i_p * D + o_d, tl.sum(b_da, axis=0), mask=m_d)
-    if HAS_INIT:
-        # tokens with pos < s read state slot W-1-s+pos (at most W-1 tokens per sequence)
-        for s in tl.static_range(1, W):
-            b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)
-            m_h = m_t & (pos < s)
-            o_h = i_n.to(tl.int64) * D * (W - 1) + (W - 1 - s + pos)
-            p_h = dinit + o_h[:, None] + o_d[None, :] * (W - 1)
-            tl.atomic_add(p_h, b_da * b_w[None, :], mask=m_h[:, None] & m_d[None, :])
-    # dx(t) = sum_s w[W-1-s] * da(t + s) over t + s inside t's sequence
-    b_dx = tl.zeros([BT, BD], dtype=tl.float32)
-    for s in tl.static_range(W):
-        b_w = tl.load(w + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)
-        if s == 0:
-            b_das = b_da
+        b_bias = tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
+    t_lo = i_s * SEG
+    t_hi = tl.minimum(t_lo + SEG, T)
+    t0 = t_hi + W - 2
+    b_x0 = _row(x, t0, o_d, D, T, s_xt)
+    b_x1 = _row(x, t0 - 1, o_d, D, T, s_xt)
+    b_x2 = _row(x, t0 - 2, o_d, D, T, s_xt)
+    b_d1 = tl.zeros([BD], dtype=tl.float32)
+    b_d2 = tl.zeros([BD], dtype=tl.float32)
+    b_d3 = tl.zeros([BD], dtype=tl.float32)
+    b_dw0 = tl.zeros([BD], dtype=tl.float32)
+    b_dw1 = tl.zeros([BD], dtype=tl.float32)
+    b_dw2 = tl.zeros([BD], dtype=tl.float32)
+    b_dw3 = tl.zeros([BD], dtype=tl.float32)
+    b_db = tl.zeros([BD], dtype=tl.float32)
+    # four tokens per step, their rows loaded first: the stores of dx would otherwise keep the
+    # next token's loads from being issued before them; with PREFETCH the next step's rows are
+    # loaded before this step's tokens, so their latency overlaps this step's work
+    f_a = _fetch(x, dy, seq_idx, cu, t0, i_b, o_d, D, T, s_xt, IS_VARLEN)
+    f_b = _fetch(x, dy, seq_idx, cu, t0 - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
+    f_c = _fetch(x, dy, seq_idx, cu, t0 - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
+    f_d = _fetch(x, dy, seq_idx, cu, t0 - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
+    for k in range(0, t0 - t_lo + 1, 4):
+        t = t0 - k
+        if PREFETCH:
+            n_a = _fetch(x, dy, seq_idx, cu, t - 4, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            n_b = _fetch(x, dy, seq_idx, cu, t - 5, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            n_c = _fetch(x, dy, seq_idx, cu, t - 6, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            n_d = _fetch(x, dy, seq_idx, cu, t - 7, i_b, o_d, D, T, s_xt, IS_VARLEN)
         else:
-            o_s = o_t + s
-            m_s = m_t & (o_s < eos)
-            p_dy = dy + o_s.to(tl.int64)[:, None] * D + o_d[None, :]
-            b_das = tl.load(p_dy, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_dx += b_das * b_w[None, :]
-    if HAS_DFINAL:
-        # the last W-1 tokens of a sequence are also its final state, slot j = t - (eos - (W-1))
-        j = o_t - (eos - (W - 1))
-        m_f = m_t & (j >= 0)
-        p_f = dfinal + (i_n.to(tl.int64) * D * (W - 1) + j)[:, None] + o_d[None, :] * (W - 1)
-        b_dx += tl.load(p_f, mask=m_f[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-    tl.store(dx + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m_td)
+            f_a = _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            f_b = _fetch(x, dy, seq_idx, cu, t - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            f_c = _fetch(x, dy, seq_idx, cu, t - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
+            f_d = _fetch(x, dy, seq_idx, cu, t - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        for u in tl.static_range(4):
+            if u == 0:
+                b_xn, b_dy, i_n, bos, eos = f_a
+            elif u == 1:
+                b_xn, b_dy, i_n, bos, eos = f_b
+            elif u == 2:
+                b_xn, b_dy, i_n, bos, eos = f_c
+            else:
+                b_xn, b_dy, i_n, bos, eos = f_d
+            b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2 = _walk_token(
+                t - u, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+                b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
+                W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
+            )  # fmt: skip
+            inside = (t - u >= t_lo) & (t - u < t_hi)
+            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=_cols_if(o_d, D, inside))
+            b_gi = tl.where(inside, b_g, 0.0)
+            b_dw0 += b_gi * b_x0
+            b_dw1 += b_gi * b_s1
+            b_dw2 += b_gi * b_s2
+            b_dw3 += b_gi * b_s3
+            b_db += b_gi
+            b_d3, b_d2, b_d1 = b_d2, b_d1, b_g
+            b_x0, b_x1, b_x2 = b_x1, b_x2, b_xn
+        if PREFETCH:
+            f_a, f_b, f_c, f_d = n_a, n_b, n_c, n_d
+    i_p = (i_b * NS + i_s).to(tl.int64)
+    tl.store(dw + (i_p * W + (W - 1)) * D + o_d, b_dw0, mask=m_d)
+    tl.store(dw + (i_p * W + (W - 2)) * D + o_d, b_dw1, mask=m_d)
+    if W > 2:
+        tl.store(dw + (i_p * W + (W - 3)) * D + o_d, b_dw2, mask=m_d)
+    if W > 3:
+        tl.store(dw + (i_p * W + (W - 4)) * D + o_d, b_dw3, mask=m_d)
+    if HAS_BIAS:
+        tl.store(db + i_p * D + o_d, b_db, mask=m_d)
 
 
 @triton.jit
@@ -331,17 +464,28 @@ def _conv_update_kernel(
     tl.store(y + i_b * D + o_d, b_a.to(y.dtype.element_ty), mask=m_d)
 
 
-def _launch(stage: str, t: int, d: int) -> dict:
-    """Launch parameters of ``conv_fwd`` (also the backward's first pass) and of the backward's
-    main pass, ``conv_bwd`` (``index.tuned``): BT tokens by BD channels per block, each the
-    fastest of ``bench_fused --sweep`` on an H200 (the main pass: 64 x 64 on 2 warps, 0.70 ms
-    for both passes at 4 x 8192 x 4096, within 1 % of the best; with an fp32 da between the
-    passes, 0.87 ms where 32 x 128 on 4 warps took 1.42)."""
+def _launch_fwd(t: int, d: int, l2: int) -> dict:
+    """Launch parameters of ``conv_fwd`` (``index.tuned``): BT tokens by BD channels per block, the
+    fastest of ``bench_fused --sweep`` on an H200; a block holds whole groups of ``l2`` channels."""
     if interpreter_active():
-        return tuned(stage, BT=min(64, triton.next_power_of_2(max(t, 1))), BD=min(64, triton.next_power_of_2(d)))
-    if stage == "conv_bwd":
-        return tuned(stage, BT=64, BD=min(64, triton.next_power_of_2(d)), num_warps=2)
-    return tuned(stage, BT=16, BD=min(256, triton.next_power_of_2(d)), num_warps=4)
+        cfg = tuned("conv_fwd", BT=min(64, triton.next_power_of_2(max(t, 1))), BD=min(64, triton.next_power_of_2(d)))
+    else:
+        cfg = tuned("conv_fwd", BT=16, BD=min(256, triton.next_power_of_2(d)), num_warps=4)
+    return {**cfg, "BD": max(cfg["BD"], l2)}
+
+
+def _launch_bwd(d: int, l2: int) -> dict:
+    """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels. On an
+    H200 at B = 8, T = 4096 (bf16, ``bench_fused --sweep``): walks of 256 tokens on one warp, 128
+    channels, were within 2 % of the best at D = 2048 with the per-head norm (0.222 ms, against
+    0.396 for the two-pass backward before), D = 4096 (0.292 against 0.692) and Mamba2's xBC
+    (D = 4352, 0.373 - 0.39 against 0.786). Walks of 128 tokens took 3 - 4 % longer. Prefetching
+    the next four tokens' rows gained 3 - 10 % without the norm and cost 10 % with it."""
+    if interpreter_active():
+        cfg = tuned("conv_bwd", SEG=16, BD=min(64, triton.next_power_of_2(d)))
+    else:
+        cfg = tuned("conv_bwd", SEG=256, BD=min(128, triton.next_power_of_2(d)), num_warps=1, PREFETCH=l2 == 0)
+    return {**cfg, "BD": max(cfg["BD"], l2)}
 
 
 def _varlen_meta(packing):
@@ -354,12 +498,6 @@ def rows_in_place(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 or x.shape[2] == 1 else x.contiguous()
 
 
-def _launch_l2(stage: str, t: int, d: int, l2: int) -> dict:
-    """``_launch``, with every block holding whole groups of ``l2`` channels (both powers of 2)."""
-    cfg = _launch(stage, t, d)
-    return {**cfg, "BD": max(cfg["BD"], l2)} if l2 else cfg
-
-
 def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
     """The Triton forward: y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x as
     ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None; ``l2`` > 0 (a power of 2
@@ -369,7 +507,7 @@ def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = _launch_l2("conv_fwd", t, d, l2)
+    cfg = _launch_fwd(t, d, l2)
     grid = (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)
     if t:
         _conv_fwd_kernel[grid](
@@ -382,40 +520,25 @@ def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
 
 
 def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_eps=1e-6):
-    """The Triton backward: ``(dx, dweight, dbias, dinit)`` from the output gradient dy (contiguous)
-    and the final state's dfinal (or None); ``l2`` as in ``conv_fwd``."""
+    """The Triton backward, one pass (``_conv_bwd_kernel``): ``(dx, dweight, dbias, dinit)`` from the
+    output gradient dy (contiguous) and the final state's dfinal (or None); ``l2`` as in ``conv_fwd``."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
-    if (activation == "silu" or l2) and t:
-        # pass 1: da = dy * silu'(a) once per token (through the L2 norm's backward first, with
-        # l2), so the main pass reads da at the W shifts (recomputing the pre-activation and its
-        # sigmoid at every shift in one pass measured slower). da is kept in x's dtype, as an
-        # unfused SiLU's backward would hand it on: both passes are memory-bound, and an fp32 da
-        # is a third of their traffic.
-        da = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        cfg = _launch_l2("conv_fwd", t, d, l2)
-        _conv_fwd_kernel[(triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)](
-            x, weight, bias if bias is not None else weight, init if init is not None else weight, da,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
-            W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
-            SILU=activation == "silu", dy=dy, GRAD=True, eps=l2_eps, L2=l2, **cfg,
-        )  # fmt: skip
-        dy = da
-    cfg = _launch("conv_bwd", t, d)
-    nt = triton.cdiv(t, cfg["BT"])
+    cfg = _launch_bwd(d, l2)
+    ns = triton.cdiv(t, cfg["SEG"])
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = torch.zeros(b * nt, w, d, dtype=torch.float32, device=x.device)
-    db = torch.zeros(b * nt, d, dtype=torch.float32, device=x.device) if bias is not None else None
+    dw = torch.empty(b * ns, w, d, dtype=torch.float32, device=x.device)
+    db = torch.empty(b * ns, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
     if t:
-        _conv_bwd_kernel[(nt, triton.cdiv(d, cfg["BD"]), b)](
+        _conv_bwd_kernel[(ns, triton.cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
-            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), nt,
+            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), ns, l2_eps,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
-            IS_VARLEN=cu is not None, **cfg,
+            IS_VARLEN=cu is not None, SILU=activation == "silu", L2=l2, **cfg,
         )  # fmt: skip
     if dinit is not None and dfinal is not None:
         dinit += _dfinal_to_init(dfinal.float(), packing, t, w)

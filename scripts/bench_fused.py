@@ -9,8 +9,7 @@ the inputs):
   conv   ttr causal_conv1d (Triton) vs its torch backend and depthwise ``F.conv1d``; W = 4, SiLU,
          B = 4, T = tokens / 4, D = 2 * hidden (the q/k/v short convs of a 1.3B Gated DeltaNet);
          ``--sweep`` also times the forward and the backward alone at the launch parameters of
-         ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd``, which the backward's first pass shares,
-         and ``conv_bwd``, its main pass), fastest first.
+         ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd`` and ``conv_bwd``), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
          of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused;
          ``--sweep`` times the norm kernels at NORM_SWEEP's launches (``norm_fwd``, ``norm_bwd``).
@@ -40,8 +39,8 @@ SECTIONS = ("loss", "conv", "norm")
 CONV_SWEEP = {
     "conv_fwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 256), (32, 128), (32, 256), (64, 64),
                  (64, 128), (128, 64), (128, 128)) for nw in (2, 4, 8)],
-    "conv_bwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 128), (16, 256), (32, 64), (32, 128),
-                 (64, 64), (64, 128)) for nw in (2, 4, 8)],
+    "conv_bwd": [dict(SEG=seg, BD=bd, num_warps=nw, PREFETCH=pf) for seg in (128, 256, 512)
+                 for bd, nw in ((128, 1), (128, 2), (256, 2), (256, 4)) for pf in (False, True)],
 }
 NORM_SWEEP = {
     "norm_fwd": [dict(ELEMS=e, num_warps=nw) for e in (2048, 4096, 8192) for nw in (4, 8, 16)],

@@ -75,14 +75,16 @@ def test_conv_packed(backend, w, h0):
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias):
-    """Both kernels in blocks of 16 tokens by 16 channels (``index.TUNING``): packed documents
-    shorter than W and across block edges, 40 channels (a partial block), initial states and the
-    final state's gradient; the backward's reads at t + s cross block edges and stop at every
-    document's end, its taps read the state before every start, and its per-block dw partial sums
-    are reduced over many blocks."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias, prefetch):
+    """The forward in blocks of 16 tokens by 16 channels, the backward in walks of 7 tokens by 16
+    channels, with and without its prefetch (``index.TUNING``): packed documents shorter than W and
+    across walk edges, 40 channels (a partial block), initial states and the final state's
+    gradient; the walk's carried gradients stop at every document's end and start again at each
+    walk's edge, its taps read the state before every start, and its per-walk dw partial sums are
+    reduced over many walks."""
     monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
-    monkeypatch.setitem(TUNING, "conv_bwd", {"BT": 16, "BD": 16})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 7, "BD": 16, "PREFETCH": prefetch})
     lens = [2, 17, 1, 0, 3, 30, 4, 14]  # T = 71, not a multiple of the block
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
     x, weight, bias, h0 = make(1, sum(lens), 40, 4, n=len(lens))
@@ -104,7 +106,7 @@ def test_conv_l2_groups(backend, activation, group, packed):
 def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
     """A tuned block narrower than the group still holds whole groups."""
     monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
-    monkeypatch.setitem(TUNING, "conv_bwd", {"BT": 16, "BD": 16})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16})
     x, weight, bias, h0 = make(2, 37, 64, 4)
     check(x, weight, bias, h0, activation="silu", l2_group=32)
 
