@@ -307,40 +307,14 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
 
 
 @triton.jit
-def _conv_bwd_kernel(
-    x,
-    w,
-    bias,
-    init,
-    dy,
-    dfinal,
-    dx,
-    dw,
-    db,
-    dinit,
-    seq_idx,
-    cu,
-    T,
-    D,
-    s_xb,
-    s_xt,
-    NS,
-    eps,
-    W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_DFINAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    SILU: tl.constexpr,
-    L2: tl.constexpr,
-    SEG: tl.constexpr,
-    BD: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
-):
+def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, cu, T, D, s_xb, s_xt, NS, eps,
+                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, SEG: tl.constexpr,
+                     BD: tl.constexpr, PREFETCH: tl.constexpr = True):
     """The whole backward in one pass: each program walks SEG tokens of BD channels from the last
     token down, so every token's da is formed once and kept in registers for the W-1 tokens before
-    it, and x, dy and dx pass through memory once (two passes with da stored between them move
-    twice the bytes). The walk starts W-1 tokens after its segment to form the da its last tokens
+    it, and x, dy and dx pass through memory once (6 bytes per element in bf16; two passes with da
+    stored between them move 10). The walk starts W-1 tokens after its segment to form the da its last tokens
     need. Partial dw/db per program ([B * NS, W, D], [B * NS, D]) are summed by the launcher."""
     i_s, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)

@@ -7,9 +7,11 @@ the inputs):
          Targets: fused peak <= 1/4 of unfused, fused time <= 1.2x unfused (the fusion is worth
          its code only if it saves most of the memory at little cost in time).
   conv   ttr causal_conv1d (Triton) vs its torch backend and depthwise ``F.conv1d``; W = 4, SiLU,
-         B = 4, T = tokens / 4, D = 2 * hidden (the q/k/v short convs of a 1.3B Gated DeltaNet);
-         ``--sweep`` also times the forward and the backward alone at the launch parameters of
-         ``CONV_SWEEP`` (``index.TUNING``'s ``conv_fwd`` and ``conv_bwd``), fastest first.
+         B = 4, T = tokens / 4, D = 2 * hidden; then its two kernels alone at the 1.3B presets'
+         conv shapes (Gated DeltaNet's q and k with their per-head L2 norm, its v, Mamba2's xBC
+         read in place from its projection), B = 8, T = tokens / 8; ``--sweep`` also times the
+         forward and the backward alone at the launch parameters of ``CONV_SWEEP``
+         (``index.TUNING``'s ``conv_fwd`` and ``conv_bwd``), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
          of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused;
          ``--sweep`` times the norm kernels at NORM_SWEEP's launches (``norm_fwd``, ``norm_bwd``).
@@ -33,6 +35,7 @@ from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
 from ttr.kernels.norm import gated_rms_norm, residual_rms_norm, rms_norm
 from ttr.kernels.utils import backend_override
+from ttr.models.presets import get_preset
 from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
 
 SECTIONS = ("loss", "conv", "norm")
@@ -160,6 +163,51 @@ def bench_conv(args, dtype):
         calls = {"conv_fwd": lambda: conv_fwd(x, weight, bias, None, "silu", None),
                  "conv_bwd": lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", None)}
         time_stages(calls, f"conv B={b} T={t} D={d}", CONV_SWEEP)
+    conv_kernels_at_presets(dtype, args.tokens)
+
+
+def preset_convs() -> list[tuple[str, int, int, bool, int]]:
+    """The short convs of the 1.3B presets: (name, channels D, per-head L2 group or 0, bias, width of
+    the projection x is a column slice of)."""
+    gdn, mamba = get_preset("gated_deltanet-1.3b"), get_preset("mamba2-1.3b")
+    qk, v = gdn.num_heads * gdn.head_dim, int(gdn.num_heads * gdn.head_dim * gdn.expand_v)
+    d_inner = mamba.mamba_expand * mamba.hidden_size
+    xbc = d_inner + 2 * mamba.mamba_n_groups * mamba.mamba_state_size
+    return [
+        ("gated_deltanet-1.3b q, k", qk, gdn.head_dim, False, qk),
+        ("gated_deltanet-1.3b v", v, 0, False, v),
+        ("mamba2-1.3b xBC", xbc, 0, mamba.mamba_conv_bias, d_inner + xbc + mamba.mamba_num_heads),
+    ]
+
+
+def _conv_kernel_ms(x, weight, bias, dy, l2):
+    """Median ms of ``conv_fwd`` and of ``conv_bwd`` on these inputs."""
+    from triton.testing import do_bench
+
+    fwd = do_bench(lambda: conv_fwd(x, weight, bias, None, "silu", None, l2), warmup=10, rep=100,
+                   return_mode="median")
+    bwd = do_bench(lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", None, l2), warmup=10, rep=100,
+                   return_mode="median")
+    return fwd, bwd
+
+
+def conv_kernels_at_presets(dtype, tokens: int, batch: int = 8):
+    """The conv's two kernels alone (``conv_fwd``, ``conv_bwd``) at the presets' conv shapes, and the
+    bandwidth they reach (the forward reads x and writes y, the backward reads x and dy and writes
+    dx)."""
+    t = tokens // batch
+    print(f"\nconv kernels at the 1.3B presets' shapes, B={batch}, T={t}, width 4, SiLU, {dtype}")
+    print(f"| {'conv':<44} | {'D':>5} | {'fwd ms':>8} | {'bwd ms':>8} | {'bwd TB/s':>8} |")
+    print(f"|{'-' * 46}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|", flush=True)
+    for name, d, l2, has_bias, width in preset_convs():
+        x = torch.randn(batch, t, width, device=DEVICE, dtype=dtype)[..., :d]  # read in place, as the layers do
+        weight = torch.randn(d, 4, device=DEVICE, dtype=dtype) / 2
+        bias = torch.randn(d, device=DEVICE, dtype=dtype) if has_bias else None
+        dy = torch.randn(batch, t, d, device=DEVICE, dtype=dtype)
+        fwd, bwd = _conv_kernel_ms(x, weight, bias, dy, l2)
+        label = name + (f" (L2 norm per {l2})" if l2 else "") + (" (bias)" if has_bias else "")
+        tbs = 3 * x.numel() * x.element_size() / bwd / 1e9
+        print(f"| {label:<44} | {d:>5} | {fwd:8.3f} | {bwd:8.3f} | {tbs:8.2f} |", flush=True)
 
 
 def bench_norm_shape(args, dtype, shape):
