@@ -160,6 +160,16 @@ def _group_sum(b_t, BT: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr):
 
 
 @triton.jit
+def _activation(b_a, SILU: tl.constexpr):
+    """(act(a), sigmoid(a)): SiLU and the sigmoid its derivative reuses, or (a, a) without it."""
+    b_u, b_sig = b_a, b_a
+    if SILU:
+        b_sig = tl.sigmoid(b_a)
+        b_u = b_a * b_sig
+    return b_u, b_sig
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x,
     w,
@@ -194,11 +204,7 @@ def _conv_fwd_kernel(
     b_a = _preact(x, w, bias, init, i_n, o_t, o_t - bos, o_d, m_t, m_d, D, s_xt, W, HAS_BIAS, HAS_INIT, BT, BD)
     p_y = y + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
     m_td = m_t[:, None] & m_d[None, :]
-    if SILU:
-        b_sig = tl.sigmoid(b_a)
-        b_u = b_a * b_sig
-    else:
-        b_u = b_a
+    b_u, _ = _activation(b_a, SILU)
     if L2 > 0:
         b_u = b_u / tl.sqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
     tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
@@ -277,11 +283,7 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
     if HAS_BIAS:
         b_a += b_bias
     b_g = b_dy
-    if SILU:
-        b_sig = tl.sigmoid(b_a)
-        b_u = b_a * b_sig
-    else:
-        b_u = b_a
+    b_u, b_sig = _activation(b_a, SILU)
     if L2 > 0:
         b_rstd = 1.0 / tl.sqrt(_group_sum_row(b_u * b_u, BD, L2) + eps)
         b_yn = b_u * b_rstd
