@@ -9,7 +9,8 @@ the inputs):
   conv   ttr causal_conv1d (Triton) vs its torch backend and depthwise ``F.conv1d``; W = 4, SiLU,
          B = 4, T = tokens / 4, D = 2 * hidden; then its two kernels alone at the 1.3B presets'
          conv shapes (Gated DeltaNet's q and k with their per-head L2 norm, its v, Mamba2's xBC
-         read in place from its projection), B = 8, T = tokens / 8; ``--sweep`` also times the
+         read in place from its projection), B = 8, T = tokens / 8, and the delta rules' convs
+         packed (B = 1, random documents of 64 - 4096 tokens); ``--sweep`` also times the
          forward and the backward alone at the launch parameters of ``CONV_SWEEP``
          (``index.TUNING``'s ``conv_fwd`` and ``conv_bwd``), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ttr.kernels.common.index import prepare_packing
 from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
 from ttr.kernels.norm import gated_rms_norm, residual_rms_norm, rms_norm
@@ -180,34 +182,50 @@ def preset_convs() -> list[tuple[str, int, int, bool, int]]:
     ]
 
 
-def _conv_kernel_ms(x, weight, bias, dy, l2):
+def _conv_kernel_ms(x, weight, bias, dy, l2, packing=None):
     """Median ms of ``conv_fwd`` and of ``conv_bwd`` on these inputs."""
     from triton.testing import do_bench
 
-    fwd = do_bench(lambda: conv_fwd(x, weight, bias, None, "silu", None, l2), warmup=10, rep=100,
+    fwd = do_bench(lambda: conv_fwd(x, weight, bias, None, "silu", packing, l2), warmup=10, rep=100,
                    return_mode="median")
-    bwd = do_bench(lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", None, l2), warmup=10, rep=100,
+    bwd = do_bench(lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", packing, l2), warmup=10, rep=100,
                    return_mode="median")
     return fwd, bwd
+
+
+def random_documents(tokens: int, seed: int = 0, shortest: int = 64, longest: int = 4096) -> torch.Tensor:
+    """cu_seqlens (int32, on the GPU) of documents of uniformly random lengths filling ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < tokens:
+        lens.append(int(torch.randint(shortest, longest, (1,), generator=gen)))
+    lens[-1] -= sum(lens) - tokens
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
 
 
 def conv_kernels_at_presets(dtype, tokens: int, batch: int = 8):
     """The conv's two kernels alone (``conv_fwd``, ``conv_bwd``) at the presets' conv shapes, and the
     bandwidth they reach (the forward reads x and writes y, the backward reads x and dy and writes
-    dx)."""
+    dx); the delta rules' convs also packed, all tokens in one row of random-length documents."""
     t = tokens // batch
-    print(f"\nconv kernels at the 1.3B presets' shapes, B={batch}, T={t}, width 4, SiLU, {dtype}")
+    cu = random_documents(tokens)
+    packing = prepare_packing(cu, tokens, device=DEVICE)
+    print(f"\nconv kernels at the 1.3B presets' shapes, B={batch}, T={t} (packed: B=1, T={tokens} in "
+          f"{len(cu) - 1} documents), width 4, SiLU, {dtype}")
     print(f"| {'conv':<44} | {'D':>5} | {'fwd ms':>8} | {'bwd ms':>8} | {'bwd TB/s':>8} |")
     print(f"|{'-' * 46}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|", flush=True)
     for name, d, l2, has_bias, width in preset_convs():
-        x = torch.randn(batch, t, width, device=DEVICE, dtype=dtype)[..., :d]  # read in place, as the layers do
-        weight = torch.randn(d, 4, device=DEVICE, dtype=dtype) / 2
-        bias = torch.randn(d, device=DEVICE, dtype=dtype) if has_bias else None
-        dy = torch.randn(batch, t, d, device=DEVICE, dtype=dtype)
-        fwd, bwd = _conv_kernel_ms(x, weight, bias, dy, l2)
-        label = name + (f" (L2 norm per {l2})" if l2 else "") + (" (bias)" if has_bias else "")
-        tbs = 3 * x.numel() * x.element_size() / bwd / 1e9
-        print(f"| {label:<44} | {d:>5} | {fwd:8.3f} | {bwd:8.3f} | {tbs:8.2f} |", flush=True)
+        for packed in (False, True) if name.startswith("gated_deltanet") else (False,):
+            b, n = (1, tokens) if packed else (batch, t)
+            x = torch.randn(b, n, width, device=DEVICE, dtype=dtype)[..., :d]  # read in place, as the layers do
+            weight = torch.randn(d, 4, device=DEVICE, dtype=dtype) / 2
+            bias = torch.randn(d, device=DEVICE, dtype=dtype) if has_bias else None
+            dy = torch.randn(b, n, d, device=DEVICE, dtype=dtype)
+            fwd, bwd = _conv_kernel_ms(x, weight, bias, dy, l2, packing if packed else None)
+            label = (name + (f" (L2 norm per {l2})" if l2 else "") + (" (bias)" if has_bias else "")
+                     + (" packed" if packed else ""))
+            tbs = 3 * x.numel() * x.element_size() / bwd / 1e9
+            print(f"| {label:<44} | {d:>5} | {fwd:8.3f} | {bwd:8.3f} | {tbs:8.2f} |", flush=True)
 
 
 def bench_norm_shape(args, dtype, shape):
