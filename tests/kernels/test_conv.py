@@ -103,10 +103,12 @@ def test_conv_l2_groups(backend, activation, group, packed):
     check(x, weight, bias, h0, activation=activation, cu_seqlens=cu if packed else None, l2_group=group)
 
 
-def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
-    """A tuned block narrower than the group still holds whole groups."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_conv_l2_group_wider_than_the_block(backend, monkeypatch, prefetch):
+    """A tuned block narrower than the group still holds whole groups; the backward's walk with
+    and without its prefetch (the GPU default differs with and without the norm)."""
     monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
-    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16, "PREFETCH": prefetch})
     x, weight, bias, h0 = make(2, 37, 64, 4)
     check(x, weight, bias, h0, activation="silu", l2_group=32)
 
@@ -248,17 +250,20 @@ def test_conv_gpu(monkeypatch, dtype, w):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_l2_gpu(monkeypatch, dtype):
-    """The fused per-head L2 norm of the delta rules' q and k (128 channels) at a real size."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_conv_l2_gpu(monkeypatch, dtype, packed):
+    """The fused per-head L2 norm of the delta rules' q and k (128 channels) at a real size, packed
+    and in a batch (the backward's walk prefetches in one case and not in the other)."""
     tol = 5e-3 if dtype == torch.float32 else 1e-2
     lens = [1, 3, 1000, 4096, 2092]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
-    x, weight, bias, h0 = make(1, sum(lens), 2048, 4, n=len(lens), dtype=dtype)
+    b, n = (1, len(lens)) if packed else (2, None)
+    x, weight, bias, h0 = make(b, sum(lens), 2048, 4, n=n, dtype=dtype)
     out = {}
     for backend, upcast in (("triton", False), ("torch", True)):
         monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
         out[backend] = run(causal_conv1d, x, weight, None, h0, upcast=upcast, activation="silu",
-                           cu_seqlens=cu, l2_group=128)
+                           cu_seqlens=cu if packed else None, l2_group=128)
     (y, _, grads), (y_ref, _, grads_ref) = out["triton"], out["torch"]
     assert rel_rms(y, y_ref) < tol
     for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
