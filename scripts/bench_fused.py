@@ -9,8 +9,8 @@ the inputs):
   conv   ttr causal_conv1d (Triton) vs its torch backend and depthwise ``F.conv1d``; W = 4, SiLU,
          B = 4, T = tokens / 4, D = 2 * hidden; then its two kernels alone at the 1.3B presets'
          conv shapes (Gated DeltaNet's q and k with their per-head L2 norm, its v, Mamba2's xBC
-         read in place from its projection), B = 8, T = tokens / 8, and the delta rules' convs
-         packed (B = 1, random documents of 64 - 4096 tokens); ``--sweep`` also times the
+         read in place from its projection), B = 8, T = tokens / 8, and each packed (B = 1,
+         random documents of 64 - 4096 tokens); ``--sweep`` also times the
          forward and the backward alone at the launch parameters of ``CONV_SWEEP``
          (``index.TUNING``'s ``conv_fwd`` and ``conv_bwd``), fastest first.
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
@@ -168,18 +168,25 @@ def bench_conv(args, dtype):
     conv_kernels_at_presets(dtype, args.tokens)
 
 
-def preset_convs() -> list[tuple[str, int, int, bool, int]]:
-    """The short convs of the 1.3B presets: (name, channels D, per-head L2 group or 0, bias, width of
-    the projection x is a column slice of)."""
-    gdn, mamba = get_preset("gated_deltanet-1.3b"), get_preset("mamba2-1.3b")
-    qk, v = gdn.num_heads * gdn.head_dim, int(gdn.num_heads * gdn.head_dim * gdn.expand_v)
-    d_inner = mamba.mamba_expand * mamba.hidden_size
-    xbc = d_inner + 2 * mamba.mamba_n_groups * mamba.mamba_state_size
-    return [
-        ("gated_deltanet-1.3b q, k", qk, gdn.head_dim, False, qk),
-        ("gated_deltanet-1.3b v", v, 0, False, v),
-        ("mamba2-1.3b xBC", xbc, 0, mamba.mamba_conv_bias, d_inner + xbc + mamba.mamba_num_heads),
-    ]
+def preset_convs(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[tuple[str, int, int, bool, int]]:
+    """The short convs of the first block of each preset, read off the model built on the meta
+    device: (name, channels D, per-head L2 group or 0, bias, width of the projection x is a column
+    slice of); convs of one shape are one row."""
+    from ttr.models.modeling import TTRForCausalLM
+    from ttr.models.modules import ShortConv
+
+    found: dict[tuple, list[str]] = {}
+    for preset in presets:
+        with torch.device("meta"):
+            mixer = TTRForCausalLM(get_preset(preset)).model.layers[0].mixer
+        # a mixer with one input projection (Mamba2's in_proj) hands its conv a column slice of it
+        proj = getattr(mixer, "in_proj", None)
+        for name, conv in mixer.named_modules():
+            if isinstance(conv, ShortConv):
+                d = conv.weight.shape[0]
+                key = (preset, d, conv.l2_group or 0, conv.bias is not None, proj.out_features if proj else d)
+                found.setdefault(key, []).append(name)
+    return [(f"{key[0]} {', '.join(names)}", *key[1:]) for key, names in found.items()]
 
 
 def _conv_kernel_ms(x, weight, bias, dy, l2, packing=None):
@@ -206,7 +213,7 @@ def random_documents(tokens: int, seed: int = 0, shortest: int = 64, longest: in
 def conv_kernels_at_presets(dtype, tokens: int, batch: int = 8):
     """The conv's two kernels alone (``conv_fwd``, ``conv_bwd``) at the presets' conv shapes, and the
     bandwidth they reach (the forward reads x and writes y, the backward reads x and dy and writes
-    dx); the delta rules' convs also packed, all tokens in one row of random-length documents."""
+    dx); each also packed, all tokens in one row of random-length documents."""
     t = tokens // batch
     cu = random_documents(tokens)
     packing = prepare_packing(cu, tokens, device=DEVICE)
@@ -215,7 +222,7 @@ def conv_kernels_at_presets(dtype, tokens: int, batch: int = 8):
     print(f"| {'conv':<44} | {'D':>5} | {'fwd ms':>8} | {'bwd ms':>8} | {'bwd TB/s':>8} |")
     print(f"|{'-' * 46}|{'-' * 7}|{'-' * 10}|{'-' * 10}|{'-' * 10}|", flush=True)
     for name, d, l2, has_bias, width in preset_convs():
-        for packed in (False, True) if name.startswith("gated_deltanet") else (False,):
+        for packed in (False, True):
             b, n = (1, tokens) if packed else (batch, t)
             x = torch.randn(b, n, width, device=DEVICE, dtype=dtype)[..., :d]  # read in place, as the layers do
             weight = torch.randn(d, 4, device=DEVICE, dtype=dtype) / 2

@@ -13,7 +13,7 @@ import torch
 
 from ttr.models.layers import LAYER_TYPES
 from ttr.models.presets import get_preset, list_presets
-from ttr.scripts import bench_kernels, bench_model, bench_stages, kernel_resources
+from ttr.scripts import bench_fused, bench_kernels, bench_model, bench_stages, kernel_resources
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
@@ -51,6 +51,19 @@ def test_preset_shapes_are_the_ones_the_presets_run():
     # the oracle's small shape keeps dims, window and the heads-per-group ratio
     assert S("ssd", 64, 64, 64, groups=8).small() == S("ssd", 8, 64, 64, groups=1)
     assert S("gla", 16, 64, 128).small() == S("gla", 4, 64, 128)
+
+
+def test_bench_fused_conv_shapes_are_the_models_own():
+    """bench_fused times the convs the models build: Gated DeltaNet's q and k with their per-head
+    norm and its v (each from a projection of its own), Mamba2's xBC with a bias, read as a column
+    slice of its one input projection."""
+    gdn, mamba = get_preset("gated_deltanet-1.3b"), get_preset("mamba2-1.3b")
+    rows = {name: rest for name, *rest in bench_fused.preset_convs()}
+    qk, v = gdn.num_heads * gdn.head_dim, int(gdn.num_heads * gdn.head_dim * gdn.expand_v)
+    assert rows["gated_deltanet-1.3b convs.0, convs.1"] == [qk, gdn.head_dim, False, qk]
+    assert rows["gated_deltanet-1.3b convs.2"] == [v, 0, False, v]
+    d, l2, bias, width = rows["mamba2-1.3b conv"]
+    assert (l2, bias) == (0, mamba.mamba_conv_bias) and width > d > mamba.hidden_size
 
 
 def test_plan_keeps_the_uniform_rows():
