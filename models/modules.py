@@ -19,17 +19,34 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
+def _weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g^T x`` in the parameter's ``dtype``, from the fp32 accumulator of the product: under
+    autocast (bf16 operands, fp32 weights) cuBLAS writes fp32 directly, where ``F.linear``'s
+    backward would round the product to bf16 and then cast it up in a kernel of its own, one
+    ``[out, in]`` read and write per weight per step. Off CUDA the operands are cast up first,
+    which forms the same unrounded product."""
+    if g.dtype == dtype:
+        return g.t() @ x
+    if g.is_cuda and dtype == torch.float32:
+        return torch.mm(g.t(), x, out_dtype=dtype)
+    with torch.autocast(g.device.type, enabled=False):  # a backward inside autocast would cast back
+        return g.t().to(dtype) @ x.to(dtype)
+
+
 class _SharedInputLinear(torch.autograd.Function):
-    """``F.linear(x, w_i, b_i)`` for several maps of one input. The forward is the separate
-    products; the backward accumulates the input's gradient in the products themselves
-    (``dx += g_i w_i``, a matmul that adds into its output) instead of autograd summing one
-    ``[tokens, hidden]`` gradient per map in separate kernels."""
+    """``F.linear(x, w_i, b_i)`` for one or several maps of one input, the weights cast to the
+    input's dtype inside (autocast's cast). The backward accumulates the input's gradient in the
+    products themselves (``dx += g_i w_i``, a matmul that adds into its output) instead of autograd
+    summing one ``[tokens, hidden]`` gradient per map in separate kernels, and returns each weight's
+    gradient in the weight's own dtype straight from its product (``_weight_grad``)."""
 
     @staticmethod
     def forward(ctx, x, n, *params):
-        weights, biases = params[:n], params[n:]
+        weights = [w.to(x.dtype) for w in params[:n]]
+        biases = [b.to(x.dtype) if b is not None else None for b in params[n:]]
         ctx.save_for_backward(x, *weights)
-        ctx.n, ctx.has_bias = n, [b is not None for b in biases]
+        ctx.n = n
+        ctx.dtypes = [p.dtype if p is not None else None for p in params]
         ctx.set_materialize_grads(False)
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases))
 
@@ -37,7 +54,7 @@ class _SharedInputLinear(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        need = ctx.needs_input_grad
+        need, n = ctx.needs_input_grad, ctx.n
         dx, dws, dbs = None, [], []
         for i, (g, w) in enumerate(zip(grads, weights)):
             if g is None:
@@ -47,8 +64,10 @@ class _SharedInputLinear(torch.autograd.Function):
             g2 = g.reshape(-1, w.shape[0])
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
-            dws.append(g2.t() @ x2 if need[2 + i] else None)
-            dbs.append(g2.sum(0) if ctx.has_bias[i] and need[2 + ctx.n + i] else None)
+            dws.append(_weight_grad(g2, x2, ctx.dtypes[i]) if need[2 + i] else None)
+            bias_dtype = ctx.dtypes[n + i]
+            dbs.append(g2.sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype is not None and need[2 + n + i]
+                       else None)
         return (dx.view(x.shape) if dx is not None else None), None, *dws, *dbs
 
 
@@ -59,15 +78,20 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
     plain = all(
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
     ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-    if not plain or len(modules) < 2 or not torch.is_grad_enabled():
+    if not plain or not torch.is_grad_enabled():
         return tuple(m(x) for m in modules)
     weights, biases = [m.weight for m in modules], [m.bias for m in modules]
     dtype = autocast_dtype(x)
-    if dtype is not None:  # the casts autocast would make for F.linear
+    if dtype is not None:  # the input's cast autocast would make for F.linear; the weights' is inside
         x = x.to(dtype)
-        weights = [w.to(dtype) for w in weights]
-        biases = [b.to(dtype) if b is not None else None for b in biases]
+    elif any(w.dtype != x.dtype for w in weights):
+        return tuple(m(x) for m in modules)  # F.linear's own error for mixed dtypes
     return _SharedInputLinear.apply(x, len(modules), *weights, *biases)
+
+
+def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``module(x)`` by ``linears``: one map, its weight's gradient straight from its product."""
+    return linears(x, module)[0]
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +135,7 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(*linears(x, self.gate_proj, self.up_proj)))
+        return linear(swiglu(*linears(x, self.gate_proj, self.up_proj)), self.down_proj)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ttr.kernels.attention import attention
 
-from ..modules import ShortConv, apply_rotary, linears, run_short_convs
+from ..modules import ShortConv, apply_rotary, linear, linears, run_short_convs
 from .base import Mixer
 
 
@@ -141,7 +141,7 @@ class Attention(Mixer):
             keep = k.shape[1] if self.window is None else min(k.shape[1], self.window - 1)
             layer_cache["k"] = k[:, k.shape[1] - keep :]
             layer_cache["v"] = v[:, v.shape[1] - keep :]
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+        return linear(o.reshape(b, t, self.num_heads * self.head_dim), self.o_proj)
 
 
 class SlidingWindowAttention(Attention):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ttr.kernels.gla import chunk_gla, recurrent_gla
 
-from ..modules import GatedRMSNorm, mask_tokens
+from ..modules import GatedRMSNorm, linear, mask_tokens
 from .linear import LinearMixer
 
 
@@ -38,7 +38,7 @@ class GatedLinearAttention(LinearMixer):
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
-        gk = F.logsigmoid(self.gk_up(p["gk_down"]).float()) / self.config.gla_gate_logit_normalizer
+        gk = F.logsigmoid(linear(p["gk_down"], self.gk_up).float()) / self.config.gla_gate_logit_normalizer
         if self.config.gla_gate_clamp_min is not None:
             gk = gk.clamp_min(self.config.gla_gate_clamp_min)
         k, v, gk = mask_tokens(mask, k, v, gk.view(b, t, self.num_heads, self.head_k))

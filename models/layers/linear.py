@@ -12,7 +12,7 @@ from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE
 
-from ..modules import ShortConv, l2_normalize, linears, run_short_convs
+from ..modules import ShortConv, l2_normalize, linear, linears, run_short_convs
 from .base import Mixer
 
 
@@ -96,4 +96,4 @@ class LinearMixer(Mixer):
 
     def output(self, o):
         b, t = o.shape[:2]
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_v))
+        return linear(o.reshape(b, t, self.num_heads * self.head_v), self.o_proj)

@@ -34,7 +34,7 @@ from ttr.kernels.common.index import CHUNK_SIZE, Packing
 from ttr.kernels.norm import gated_rms_norm
 from ttr.kernels.ssd import chunk_conv_ssd, chunk_simple_gla, chunk_ssd, recurrent_simple_gla, recurrent_ssd
 
-from ..modules import ShortConv, init_time_step_bias, mask_tokens, run_short_convs
+from ..modules import ShortConv, init_time_step_bias, linear, mask_tokens, run_short_convs
 from .base import Mixer
 
 
@@ -114,11 +114,11 @@ class Mamba2(Mixer):
             # bias included); the output projection is then divided by sqrt(number of residual
             # branches) (its rescale_prenorm_residual); Linear biases start at zero.
             branches = cfg.num_hidden_layers * (2 if cfg.intermediate_size > 0 else 1)
-            for linear, scale in ((self.in_proj, 1.0), (self.out_proj, 1.0 / math.sqrt(branches))):
-                bound = scale / math.sqrt(linear.in_features)
-                init.uniform_(linear.weight, -bound, bound)
-                if linear.bias is not None:
-                    init.zeros_(linear.bias)
+            for proj, scale in ((self.in_proj, 1.0), (self.out_proj, 1.0 / math.sqrt(branches))):
+                bound = scale / math.sqrt(proj.in_features)
+                init.uniform_(proj.weight, -bound, bound)
+                if proj.bias is not None:
+                    init.zeros_(proj.bias)
             bound = 1.0 / math.sqrt(self.conv.weight.shape[1])
             init.uniform_(self.conv.weight, -bound, bound)
             if self.conv.bias is not None:
@@ -176,7 +176,7 @@ class Mamba2(Mixer):
         decoding = layer_cache is not None and t == 1
         # z, xbc and dt stay views of the one projection: the conv and the norm read their slices in
         # place, so the backward keeps this one tensor and no copies of its parts.
-        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = linear(x, self.in_proj).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.config.mamba_dt_limit is not None:
             dt = dt.clamp(*self.config.mamba_dt_limit)
@@ -195,4 +195,4 @@ class Mamba2(Mixer):
         # gate, then per-group RMSNorm, in one kernel that keeps y, z (read in place) and the stats
         y = gated_rms_norm(y.reshape(b, t, self.d_inner), z, self.norm_weight, eps=self.eps,
                            norm_before_gate=False, groups=self.n_groups)
-        return self.out_proj(y)
+        return linear(y, self.out_proj)

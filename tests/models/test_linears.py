@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ttr.models.modules import linears
+from ttr.models.modules import linear, linears
 
 
 def _maps(bias):
@@ -50,9 +50,11 @@ def test_linears_equal_separate_projections(bias, used):
 
 
 def test_linears_under_autocast():
-    """bf16 autocast: outputs in bf16 as ``F.linear`` gives them; the weights' and biases' fp32
-    gradients exactly those of the separate calls (the same products); the input's within one bf16
-    rounding step (the sum is rounded once per product here, once per addition there)."""
+    """bf16 autocast: outputs in bf16 as ``F.linear`` gives them; the input's gradient within one
+    bf16 rounding step of the separate calls' (the sum is rounded once per product here, once per
+    addition there); the weights' and biases' gradients in fp32, the product of the bf16 operands
+    without the bf16 rounding of ``F.linear``'s backward (to fp32 accuracy of the float64 product,
+    and closer to it than the separate calls')."""
     mods = _maps(True)
     x = torch.randn(3, 7, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -64,9 +66,27 @@ def test_linears_under_autocast():
     dx_a, dx_b = grads_a[0], grads_b[0]
     assert dx_a.dtype == dx_b.dtype
     assert (dx_a - dx_b).abs().max() <= 2**-7 * dx_a.abs().max()
-    for a, b in zip(grads_a[1:], grads_b[1:]):
+    # the operands the products see: x and each output's gradient, in bf16
+    x2 = x.to(torch.bfloat16).reshape(-1, 24).double()
+    expected = []
+    for i, out in enumerate(outs_b):
+        g = ((i + 1) * torch.cos((i + 1) * out.float())).to(torch.bfloat16).reshape(-1, out.shape[-1]).double()
+        expected += [g.t() @ x2, g.sum(0)]
+    for a, b, ref in zip(grads_a[1:], grads_b[1:], expected):
         assert a.dtype == b.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(b.double(), ref, rtol=1e-5, atol=1e-5)
+        assert (b.double() - ref).abs().max() <= (a.double() - ref).abs().max()
+
+
+def test_linear_one_map_is_the_module():
+    """``linear`` (one map: the output projections) gives the module's output and gradients."""
+    mods = _maps(True)[:1]
+    x = torch.randn(2, 5, 24)
+    outs_a, grads_a = _grads(mods, x, separate, used=(0,))
+    outs_b, grads_b = _grads(mods, x, lambda x, m: [linear(x, m[0])], used=(0,))
+    torch.testing.assert_close(outs_a[0], outs_b[0], rtol=0, atol=0)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_linears_call_modules_that_are_not_plain():
@@ -93,3 +113,26 @@ def test_linears_call_modules_that_are_not_plain():
     mods[2].__class__ = Scaled
     out = linears(x, *mods)
     torch.testing.assert_close(out[2], 2 * nn.functional.linear(x, mods[2].weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3])
+def test_linears_fp32_weight_grads_on_cuda(n):
+    """On CUDA under bf16 autocast the weights' fp32 gradients come from the product itself
+    (``torch.mm(..., out_dtype=float32)``): the float64 product of the bf16 operands to fp32
+    accuracy, also through transposed operands and a bias."""
+    torch.manual_seed(0)
+    mods = [nn.Linear(256, 64 * (i + 1), bias=i == 1).cuda() for i in range(n)]
+    x = torch.randn(4, 96, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outs, grads = _grads(mods, x, shared, used=tuple(range(n)))
+    x2 = x.to(torch.bfloat16).reshape(-1, 256).double()
+    params = [p for m in mods for p in m.parameters()]
+    expected = []
+    for i, (out, m) in enumerate(zip(outs, mods)):
+        g = ((i + 1) * torch.cos((i + 1) * out.float())).to(torch.bfloat16).reshape(-1, out.shape[-1]).double()
+        expected += [g.t() @ x2] + ([g.sum(0)] if m.bias is not None else [])
+    assert len(expected) == len(params)
+    for got, ref in zip(grads[1:], expected):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-4)
