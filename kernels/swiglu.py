@@ -11,6 +11,13 @@ Math in fp32, outputs in the inputs' dtype. Only ``gate`` and ``up`` are saved f
 (``silu(gate)`` is recomputed), and each direction reads and writes every element once: 3 passes
 over the ``[tokens, intermediate]`` activations forward and 5 backward, where the torch ops take
 5 and 11 (silu, mul; mul, silu_backward, silu again, mul).
+
+``swiglu_linear`` is the product and the projection after it (an MLP's down projection) in one
+autograd node. The projection's backward needs the product ``y`` for its weight's gradient; kept
+from the forward it is one more ``[tokens, intermediate]`` tensor per layer (a third of what the
+MLP saves). Here the backward's kernel writes ``y`` again next to ``d_gate`` and ``d_up``, from
+the ``gate`` and ``up`` it reads anyway: one more write of the backward's 5 passes, and ``y`` lives
+only between that kernel and the weight's product.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
+from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device, weight_grad
 
 BLOCK = 2048
 
@@ -34,7 +41,7 @@ def _swiglu_fwd_kernel(g, u, y, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_kernel(g, u, dy, dg, du, N, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(g, u, dy, dg, du, y, N, BLOCK: tl.constexpr, STORE_Y: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
     b_g = tl.load(g + o, mask=m, other=0.0).to(tl.float32)
@@ -43,28 +50,46 @@ def _swiglu_bwd_kernel(g, u, dy, dg, du, N, BLOCK: tl.constexpr):
     b_s = tl.sigmoid(b_g)
     tl.store(du + o, (b_dy * b_g * b_s).to(du.dtype.element_ty), mask=m)
     tl.store(dg + o, (b_dy * b_u * b_s * (1.0 + b_g * (1.0 - b_s))).to(dg.dtype.element_ty), mask=m)
+    if STORE_Y:  # the forward's product again, for swiglu_linear's weight gradient
+        tl.store(y + o, (b_g * b_s * b_u).to(y.dtype.element_ty), mask=m)
+
+
+def _swiglu_fwd(gate, up):
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def _swiglu_bwd(gate, up, dy, store_y: bool):
+    """``(d_gate, d_up, y or None)`` of contiguous tensors."""
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    y = torch.empty_like(gate) if store_y else None
+    n = gate.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, y if store_y else dg, n, BLOCK=BLOCK,
+                                                      STORE_Y=store_y, num_warps=8)
+    return dg, du, y
+
+
+def _swiglu_bwd_torch(gate, up, dy, store_y: bool):
+    """``_swiglu_bwd`` in torch ops: autograd's own arithmetic of ``silu(gate) * up``."""
+    silu = torch.nn.functional.silu(gate)
+    return torch.ops.aten.silu_backward(dy * up, gate), dy * silu, (silu * up if store_y else None)
 
 
 class _SwiGLUTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
         ctx.save_for_backward(gate, up)
-        return y
+        return _swiglu_fwd(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, BLOCK=BLOCK, num_warps=8)
-        return dg, du
+        return _swiglu_bwd(gate, up, dy.contiguous(), store_y=False)[:2]
 
 
 class _SwiGLUTorch(torch.autograd.Function):
@@ -79,6 +104,37 @@ class _SwiGLUTorch(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         return torch.ops.aten.silu_backward(dy * up, gate), dy * torch.nn.functional.silu(gate)
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """``F.linear(silu(gate) * up, weight, bias)``, the weight and bias cast to gate's dtype inside
+    (autocast's cast), saving ``gate``, ``up`` and the cast weight; the backward forms the product
+    again in its own kernel (module docstring) and returns the weight's and bias's gradients in
+    their own dtypes (``weight_grad``)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, triton_path):
+        gate, up = gate.contiguous(), up.contiguous()
+        w = weight.to(gate.dtype)
+        y = _swiglu_fwd(gate, up) if triton_path else torch.nn.functional.silu(gate) * up
+        out = torch.nn.functional.linear(y, w, bias.to(gate.dtype) if bias is not None else None)
+        ctx.save_for_backward(gate, up, w)
+        ctx.triton_path = triton_path
+        ctx.dtypes = weight.dtype, (bias.dtype if bias is not None else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dout2 = dout.reshape(-1, w.shape[0])
+        dy = (dout2 @ w).view(gate.shape)
+        bwd = _swiglu_bwd if ctx.triton_path else _swiglu_bwd_torch
+        dg, du, y = bwd(gate, up, dy, store_y=need[2])
+        del dy
+        dw = weight_grad(dout2, y.view(-1, w.shape[1]), ctx.dtypes[0]) if need[2] else None
+        db = dout2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.dtypes[1] is not None and need[3] else None
+        return dg, du, dw, db, None
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -116,3 +172,33 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if kernel_backend(gate) == "torch" or gate.dtype == torch.float64:
         return _SwiGLUTorch.apply(gate, up)
     return _SwiGLUTriton.apply(gate, up)
+
+
+@on_input_device
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)``: SwiGLU's product and the projection after it,
+    without keeping the product for the backward (module docstring).
+
+    Args:
+        gate, up: ``[..., I]``, as in ``swiglu``.
+        weight: ``[O, I]``; cast to gate's dtype for the product (as autocast casts a weight),
+            its gradient returned in its own dtype.
+        bias: ``[O]`` or None, the same.
+
+    Returns:
+        ``[..., O]`` in gate's dtype; gradients flow to gate, up, weight and bias.
+    """
+    _check(gate, up)
+    check_dtype("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
+        raise ValueError(f"weight must have shape [O, I] with I={gate.shape[-1]}, got {tuple(weight.shape)}")
+    if weight.device != gate.device:
+        raise ValueError(f"weight is on {weight.device} but gate is on {gate.device}")
+    if bias is not None:
+        check_dtype("bias", bias)
+        if bias.shape != weight.shape[:1] or bias.device != weight.device:
+            raise ValueError(f"bias must have shape [O] = [{weight.shape[0]}] on {weight.device}, "
+                             f"got {tuple(bias.shape)} on {bias.device}")
+    triton_path = kernel_backend(gate) == "triton" and gate.dtype != torch.float64
+    return _SwiGLULinear.apply(gate, up, weight, bias, triton_path)

@@ -131,3 +131,17 @@ def check_initial_state(initial_state: torch.Tensor | None, n: int, h: int, k: i
 def check_head_dim(name: str, d: int) -> None:
     if d > MAX_HEAD_DIM:
         raise ValueError(f"{name} head dim {d} exceeds the supported maximum {MAX_HEAD_DIM}")
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g^T x`` in the parameter's ``dtype``, from the fp32 accumulator of the product: under
+    autocast (bf16 operands, fp32 weights) cuBLAS writes fp32 directly, where ``F.linear``'s
+    backward would round the product to bf16 and then cast it up in a kernel of its own, one
+    ``[out, in]`` read and write per weight per step. Off CUDA the operands are cast up first,
+    which forms the same unrounded product."""
+    if g.dtype == dtype:
+        return g.t() @ x
+    if g.is_cuda and dtype == torch.float32:
+        return torch.mm(g.t(), x, out_dtype=dtype)
+    with torch.autocast(g.device.type, enabled=False):  # a backward inside autocast would cast back
+        return g.t().to(dtype) @ x.to(dtype)

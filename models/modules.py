@@ -10,7 +10,8 @@ from torch.nn.modules import module as nn_module
 
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
-from ttr.kernels.swiglu import swiglu
+from ttr.kernels.swiglu import swiglu, swiglu_linear
+from ttr.kernels.utils import weight_grad
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -19,26 +20,12 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``g^T x`` in the parameter's ``dtype``, from the fp32 accumulator of the product: under
-    autocast (bf16 operands, fp32 weights) cuBLAS writes fp32 directly, where ``F.linear``'s
-    backward would round the product to bf16 and then cast it up in a kernel of its own, one
-    ``[out, in]`` read and write per weight per step. Off CUDA the operands are cast up first,
-    which forms the same unrounded product."""
-    if g.dtype == dtype:
-        return g.t() @ x
-    if g.is_cuda and dtype == torch.float32:
-        return torch.mm(g.t(), x, out_dtype=dtype)
-    with torch.autocast(g.device.type, enabled=False):  # a backward inside autocast would cast back
-        return g.t().to(dtype) @ x.to(dtype)
-
-
 class _SharedInputLinear(torch.autograd.Function):
     """``F.linear(x, w_i, b_i)`` for one or several maps of one input, the weights cast to the
     input's dtype inside (autocast's cast). The backward accumulates the input's gradient in the
     products themselves (``dx += g_i w_i``, a matmul that adds into its output) instead of autograd
     summing one ``[tokens, hidden]`` gradient per map in separate kernels, and returns each weight's
-    gradient in the weight's own dtype straight from its product (``_weight_grad``)."""
+    gradient in the weight's own dtype straight from its product (``weight_grad``)."""
 
     @staticmethod
     def forward(ctx, x, n, *params):
@@ -64,21 +51,26 @@ class _SharedInputLinear(torch.autograd.Function):
             g2 = g.reshape(-1, w.shape[0])
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
-            dws.append(_weight_grad(g2, x2, ctx.dtypes[i]) if need[2 + i] else None)
+            dws.append(weight_grad(g2, x2, ctx.dtypes[i]) if need[2 + i] else None)
             bias_dtype = ctx.dtypes[n + i]
             dbs.append(g2.sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype is not None and need[2 + n + i]
                        else None)
         return (dx.view(x.shape) if dx is not None else None), None, *dws, *dbs
 
 
+def _plain(modules) -> bool:
+    """Every module a plain ``nn.Linear`` that no forward hook watches: calling its Function in
+    place of the module changes nothing a user can see."""
+    return all(
+        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
+    ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in modules)``, with the backward of ``_SharedInputLinear`` when every
     module is a plain ``nn.Linear`` without hooks. Anything else (an adapter or quantised layer
     put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour."""
-    plain = all(
-        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
-    ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-    if not plain or not torch.is_grad_enabled():
+    if not _plain(modules) or not torch.is_grad_enabled():
         return tuple(m(x) for m in modules)
     weights, biases = [m.weight for m in modules], [m.bias for m in modules]
     dtype = autocast_dtype(x)
@@ -135,7 +127,12 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(swiglu(*linears(x, self.gate_proj, self.up_proj)), self.down_proj)
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        down = self.down_proj
+        if _plain([down]) and torch.is_grad_enabled() and (autocast_dtype(gate) or down.weight.dtype) == gate.dtype:
+            # the product is not kept for the down projection's backward (swiglu_linear)
+            return swiglu_linear(gate, up, down.weight, down.bias)
+        return down(swiglu(gate, up))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ttr.models.modules import linear, linears
+from ttr.models.modules import SwiGLU, linear, linears
 
 
 def _maps(bias):
@@ -136,3 +136,26 @@ def test_linears_fp32_weight_grads_on_cuda(n):
     for got, ref in zip(grads[1:], expected):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_swiglu_mlp_as_its_modules(autocast):
+    """The MLP (whose down projection runs with the product in ``swiglu_linear``) gives the
+    output and gradients of its modules called one by one."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(24, 40, bias=True)
+    x = torch.randn(2, 9, 24)
+    mods = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    results = []
+    for fn in (lambda x: mlp(x), lambda x: mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))):
+        xx = x.clone().requires_grad_()
+        for p in mlp.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fn(xx)
+            (y.float() ** 2).sum().backward()
+        results.append([y.detach(), xx.grad] + [p.grad for m in mods for p in m.parameters()])
+    tol = 2e-2 if autocast else 1e-5
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item())
