@@ -3,6 +3,7 @@ packing of documents (``cu_seqlens``) resolved once for all the ops of a forward
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -190,11 +191,21 @@ def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
 # the sequences average at least this many chunks the forward keeps ``h`` (``[NT, H, K, V]`` in the
 # input dtype: K/64 times the size of k) and what else the mixer's backward would recompute.
 # Shorter sequences (training batches of packed documents) recompute, which costs no memory.
+# ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the rule for every op: a run-time choice of
+# memory against time, like the backend, never stored in a model.
 KEEP_STATES_MIN_CHUNKS = 96
+CHUNK_STATES = ("auto", "keep", "recompute")
 
 
 def keep_states(plan: ChunkPlan) -> bool:
-    """Whether the forward keeps its states for the backward (see ``KEEP_STATES_MIN_CHUNKS``)."""
+    """Whether the forward keeps its states for the backward: ``TTR_CHUNK_STATES`` (``auto``,
+    ``keep`` or ``recompute``), by default (``auto``) when the sequences average at least
+    ``KEEP_STATES_MIN_CHUNKS`` chunks."""
+    choice = os.environ.get("TTR_CHUNK_STATES", "").strip().lower() or "auto"
+    if choice not in CHUNK_STATES:
+        raise ValueError(f"TTR_CHUNK_STATES must be one of {CHUNK_STATES}, got {choice!r}")
+    if choice != "auto":
+        return choice == "keep"
     return plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs
 
 

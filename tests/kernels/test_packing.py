@@ -177,3 +177,43 @@ def test_packing_moves_like_a_tensor():
 
     (moved,) = _recursive_to((p,), torch.device("cpu"), False)[0]
     assert isinstance(moved, Packing) and moved.bounds == p.bounds and moved.cu_seqlens is p.cu_seqlens
+
+
+def test_chunk_states_choice(monkeypatch):
+    """``keep_states``: by default long sequences keep (``KEEP_STATES_MIN_CHUNKS``), short ones
+    recompute; ``TTR_CHUNK_STATES`` forces either; a bad value is refused by name."""
+    short = prepare_chunks(None, 2, 64 * 4, device="cpu")
+    long = prepare_chunks(None, 1, 64 * index.KEEP_STATES_MIN_CHUNKS, device="cpu")
+    monkeypatch.delenv("TTR_CHUNK_STATES", raising=False)
+    assert not index.keep_states(short) and index.keep_states(long)
+    monkeypatch.setenv("TTR_CHUNK_STATES", "keep")
+    assert index.keep_states(short) and index.keep_states(long)
+    monkeypatch.setenv("TTR_CHUNK_STATES", "Recompute")
+    assert not index.keep_states(short) and not index.keep_states(long)
+    monkeypatch.setenv("TTR_CHUNK_STATES", "always")
+    with pytest.raises(ValueError, match="TTR_CHUNK_STATES"):
+        index.keep_states(short)
+
+
+@pytest.mark.parametrize("choice", ["keep", "recompute"])
+def test_ops_keep_states_when_asked(monkeypatch, choice):
+    """A delta-rule op keeps its forward's states (three more saved tensors) exactly when asked."""
+    from ttr.kernels.delta import chunk_delta_rule
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("TTR_CHUNK_STATES", choice)
+    q, k, v = (torch.randn(1, 70, 2, 16, requires_grad=True) for _ in range(3))
+    beta = torch.rand(1, 70, 2, requires_grad=True)
+    k = F.normalize(k, dim=-1)
+
+    def saved_by_forward():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o, _ = chunk_delta_rule(q, k, v, beta)
+        return o, len(saved)
+
+    o, count = saved_by_forward()
+    monkeypatch.setenv("TTR_CHUNK_STATES", "recompute")
+    assert count - saved_by_forward()[1] == (3 if choice == "keep" else 0)
+    o.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, v, beta))
