@@ -13,10 +13,10 @@ Per head: ``S_t = Diag(a_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t / sqrt(K)``
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from ttr.kernels.gla import chunk_gla, recurrent_gla
+from ttr.kernels.gla.gate import gla_gate
 
 from ..modules import GatedRMSNorm, linear, mask_tokens
 from .linear import LinearMixer
@@ -38,9 +38,8 @@ class GatedLinearAttention(LinearMixer):
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
-        gk = F.logsigmoid(linear(p["gk_down"], self.gk_up).float()) / self.config.gla_gate_logit_normalizer
-        if self.config.gla_gate_clamp_min is not None:
-            gk = gk.clamp_min(self.config.gla_gate_clamp_min)
+        cfg = self.config
+        gk = gla_gate(linear(p["gk_down"], self.gk_up), cfg.gla_gate_logit_normalizer, cfg.gla_gate_clamp_min)
         k, v, gk = mask_tokens(mask, k, v, gk.view(b, t, self.num_heads, self.head_k))
         o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
