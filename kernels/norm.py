@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import tuned
-from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
+from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device, weight_grad
 
 MAX_D = 8192
 
@@ -93,14 +93,15 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, ds, dx, dr, dz, dw, R, D, s_z,
+    x, z, w, dy, rstd, ds, dx, dr, dz, dw, y, R, D, s_z,
     HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, HAS_DS: tl.constexpr, HAS_DR: tl.constexpr,
-    BR: tl.constexpr, BD: tl.constexpr,
+    HAS_Y: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """Program (i_p, i_g) handles group i_g of row blocks i_p, i_p + P, ... (P programs on axis 0)
     and writes one dw partial of that group. ``HAS_DS`` adds the gradient ``ds`` that the
     normalised input gets from elsewhere (the residual stream) to dx; ``HAS_DR`` also stores dx in
-    ``dr``'s dtype (the gradient of a lower-precision residual branch)."""
+    ``dr``'s dtype (the gradient of a lower-precision residual branch); ``HAS_Y`` stores the
+    forward's output again (the same products in the same order), for ``norm_linear``."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     i_g, G = tl.program_id(1), tl.num_programs(1)
     o_d = tl.arange(0, BD)
@@ -125,6 +126,11 @@ def _rms_norm_bwd_kernel(
             b_uhat = b_x * b_gate * b_rstd[:, None]
         else:
             b_uhat = b_x * b_rstd[:, None]
+        if HAS_Y:
+            b_y = b_uhat * b_w[None, :]
+            if HAS_Z and not GATE_FIRST:
+                b_y = b_y * b_gate
+            tl.store(y + o_rd, b_y.to(y.dtype.element_ty), mask=m_rd)
         if HAS_Z and not GATE_FIRST:
             tl.store(dz + o_rd, (b_dy * b_uhat * b_w[None, :] * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
             b_dy = b_dy * b_gate
@@ -167,8 +173,9 @@ def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1, r2=N
     return y, rstd, s2
 
 
-def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None):
-    """dx, dz, dw; ``ds2`` is added to dx, and ``dr_dtype`` also returns dx in that dtype (fourth)."""
+def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None, store_y=False):
+    """dx, dz, dw, dr, y; ``ds2`` is added to dx, ``dr_dtype`` also returns dx in that dtype (dr),
+    ``store_y`` the forward's output again in x's dtype (y; else None)."""
     rows, groups = rstd.shape
     d = x2.shape[1] // groups
     bd = triton.next_power_of_2(d)
@@ -178,15 +185,16 @@ def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None)
     dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
     progs = _bwd_programs(triton.cdiv(rows, cfg["BR"]), x2.device, cfg["SM_PROGS"])
     dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
+    y = torch.empty_like(x2) if store_y else None
     if rows:
         _rms_norm_bwd_kernel[(progs, groups)](
             x2, z2 if z2 is not None else x2, w, dy2, rstd, ds2 if ds2 is not None else dx, dx,
-            dr if dr is not None else dx, dz if dz is not None else dx, dw,
+            dr if dr is not None else dx, dz if dz is not None else dx, dw, y if store_y else dx,
             rows, d, z2.stride(0) if z2 is not None else 0,
             HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_DS=ds2 is not None, HAS_DR=dr is not None,
-            BR=cfg["BR"], BD=bd, num_warps=cfg["num_warps"],
+            HAS_Y=store_y, BR=cfg["BR"], BD=bd, num_warps=cfg["num_warps"],
         )  # fmt: skip
-    return dx, dz, dw.sum(0).to(w.dtype), dr
+    return dx, dz, dw.sum(0).to(w.dtype), dr, y
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -212,7 +220,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, z2, w, rstd = ctx.saved_tensors
         dy2 = dy.reshape(x2.shape).contiguous()
-        dx, dz, dw, _ = _triton_bwd(x2, z2, w, dy2, rstd, ctx.gate_first)
+        dx, dz, dw, _, _ = _triton_bwd(x2, z2, w, dy2, rstd, ctx.gate_first)
         dz = dz.reshape(ctx.shape) if dz is not None else None
         return dx.reshape(ctx.shape), dz, dw, None, None, None, None
 
@@ -245,9 +253,39 @@ class _ResidualRMSNormFunction(torch.autograd.Function):
         else:
             dy2 = dy.reshape(s2.shape).contiguous()
             other = branch_dtype if branch_dtype != s2.dtype else None
-            dx, _, dw, dr = _triton_bwd(s2, None, w, dy2, rstd, ds2=ds2, dr_dtype=other)
+            dx, _, dw, dr, _ = _triton_bwd(s2, None, w, dy2, rstd, ds2=ds2, dr_dtype=other)
         dr = dr if dr is not None else dx.to(branch_dtype)
         return dx.to(h_dtype).reshape(ctx.shape), dr.reshape(ctx.shape), dw, None, None
+
+
+class _NormLinearFunction(torch.autograd.Function):
+    """``F.linear(norm(x[, z]), proj_weight, proj_bias)`` (``norm_linear``) on rows of x; the
+    projection's weight and bias are cast to x's dtype inside, their gradients returned in their
+    own dtypes (``weight_grad``). Saves what the norm alone saves and the cast weight: the norm's
+    output, the projection's input, is written again by the norm's backward kernel."""
+
+    @staticmethod
+    def forward(ctx, x2, z2, weight, eps, gate_first, groups, proj_weight, proj_bias):
+        y, rstd, _ = _triton_fwd(x2, z2, weight, eps, None, gate_first, groups)
+        pw = proj_weight.to(y.dtype)
+        pb = proj_bias.to(y.dtype) if proj_bias is not None else None
+        out = torch.nn.functional.linear(y.view(-1, pw.shape[1]), pw, pb)
+        ctx.save_for_backward(x2, z2, weight, rstd, pw)
+        ctx.gate_first = gate_first
+        ctx.dtypes = proj_weight.dtype, (proj_bias.dtype if proj_bias is not None else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x2, z2, w, rstd, pw = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dout = dout.contiguous()
+        dy = (dout @ pw).view(x2.shape)
+        dx, dz, dw, _, y = _triton_bwd(x2, z2, w, dy, rstd, ctx.gate_first, store_y=need[6])
+        del dy
+        dpw = weight_grad(dout, y.view(-1, pw.shape[1]), ctx.dtypes[0]) if need[6] else None
+        dpb = dout.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.dtypes[1] is not None and need[7] else None
+        return dx, dz, dw, None, None, None, dpw, dpb
 
 
 def _check(x, z, weight, eps, out_dtype=None, groups=1) -> None:
@@ -457,3 +495,58 @@ def gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
     if kernel_backend(x) == "torch":
         return _torch_norm(x, z, weight, eps, None, norm_before_gate, groups)
     return _RMSNormFunction.apply(x, z, weight, float(eps), None, norm_before_gate, groups)
+
+
+@on_input_device
+def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_before_gate=True, groups=1,
+                heads=False):
+    """A layer's output norm and the projection after it in one autograd node: ``F.linear(y,
+    proj_weight, proj_bias)`` with ``y = gated_rms_norm(x, z, weight, ...)`` (``rms_norm`` when z is
+    None) and, for per-head norms (``heads``), y's last two dims merged.
+
+    Kept for the backward are what the norm keeps (x, z, its statistics) and the cast weight, not
+    y: the norm's backward kernel writes y again (the forward's products, in its order) for the
+    projection's weight gradient, one write where keeping y held a ``[tokens, F]`` tensor per
+    layer until the backward.
+
+    Args:
+        x: ``[..., D]``, or with ``heads`` ``[..., H, D]`` (per-head norms, the heads merged for
+            the projection); fp32, fp16 or bf16 (float64 on the torch backend).
+        z: the gate, x's shape, or None (no gate).
+        weight: the norm's ``[D]``.
+        proj_weight: ``[O, F]`` with F = D (or H * D with ``heads``); cast to x's dtype for the
+            product (as autocast casts a weight), its gradient returned in its own dtype.
+        proj_bias: ``[O]`` or None, the same.
+        eps, norm_before_gate, groups: as in ``gated_rms_norm``.
+        heads: x's last two dims are heads and their channels (above).
+
+    Returns:
+        ``[..., O]`` (x's dims before D, or before H and D) in x's dtype; gradients flow to x, z,
+        weight, proj_weight and proj_bias.
+    """
+    _check(x, z, weight, eps, groups=groups)
+    check_dtype("proj_weight", proj_weight)
+    if heads and x.dim() < 2:
+        raise ValueError(f"x must have shape [..., H, D] with heads=True, got {tuple(x.shape)}")
+    d = x.shape[-1]
+    f = x.shape[-2] * d if heads else d
+    if proj_weight.dim() != 2 or proj_weight.shape[1] != f:
+        raise ValueError(f"proj_weight must have shape [O, F] with F = {f} ({'H * D' if heads else 'D'} of x "
+                         f"{tuple(x.shape)}), got {tuple(proj_weight.shape)}")
+    if proj_weight.device != x.device:
+        raise ValueError(f"proj_weight is on {proj_weight.device} but x is on {x.device}")
+    if proj_bias is not None:
+        check_dtype("proj_bias", proj_bias)
+        if proj_bias.shape != proj_weight.shape[:1] or proj_bias.device != x.device:
+            raise ValueError(f"proj_bias must have shape [O] = [{proj_weight.shape[0]}] on {x.device}, "
+                             f"got {tuple(proj_bias.shape)} on {proj_bias.device}")
+    lead = x.shape[:-2] if heads else x.shape[:-1]
+    if kernel_backend(x) == "torch":
+        y = _torch_norm(x, z, weight, eps, None, norm_before_gate, groups).reshape(*lead, f)
+        pb = proj_bias.to(y.dtype) if proj_bias is not None else None
+        return torch.nn.functional.linear(y, proj_weight.to(y.dtype), pb)
+    x2 = x.reshape(-1, d).contiguous()
+    z2 = _rows(z, d) if z is not None else None
+    out = _NormLinearFunction.apply(x2, z2, weight.contiguous(), float(eps), z is not None and not norm_before_gate,
+                                    groups, proj_weight, proj_bias)
+    return out.view(*lead, proj_weight.shape[0])

@@ -10,6 +10,7 @@ from torch.nn.modules import module as nn_module
 
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
+from ttr.kernels.norm import norm_linear as fused_norm_linear
 from ttr.kernels.swiglu import swiglu, swiglu_linear
 from ttr.kernels.utils import weight_grad
 
@@ -114,6 +115,36 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, z, self.weight, eps=self.eps)
+
+
+def norm_linear(x, z, weight, proj: nn.Module, *, eps: float, norm_before_gate: bool = True, groups: int = 1,
+                heads: bool = False):
+    """``linear(norm(x, z), proj)``: a mixer's output norm (``gated_rms_norm``, ``rms_norm`` when
+    z is None) and its output projection, x's last two dims (heads) merged for it with ``heads``.
+    One autograd node (``kernels.norm.norm_linear``, which does not keep the norm's output for
+    the projection's backward) when ``proj`` is a plain ``nn.Linear`` and the norm's output is in
+    x's dtype as the projection would compute it; otherwise the norm and then ``linear``."""
+    dtype = autocast_dtype(x) or proj.weight.dtype
+    if _plain([proj]) and torch.is_grad_enabled() and dtype == x.dtype:
+        return fused_norm_linear(x, z, weight, proj.weight, proj.bias, eps=eps, norm_before_gate=norm_before_gate,
+                                 groups=groups, heads=heads)
+    if z is None:
+        y = rms_norm(x, weight, eps=eps, out_dtype=autocast_dtype(x))
+    else:
+        y = gated_rms_norm(x, z, weight, eps=eps, norm_before_gate=norm_before_gate, groups=groups)
+    return linear(y.flatten(-2) if heads else y, proj)
+
+
+def output_projection(norm: nn.Module, x: torch.Tensor, z: torch.Tensor | None, proj: nn.Module) -> torch.Tensor:
+    """``proj(norm(x[, z]))`` over the merged heads of x ``[..., H, D]``, by ``norm_linear`` when
+    ``norm`` is ttr's own ``RMSNorm`` / ``GatedRMSNorm`` without hooks; any other module in its
+    place is called."""
+    if type(norm) in (RMSNorm, GatedRMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks) and not (
+        nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+    ):
+        return norm_linear(x, z, norm.weight, proj, eps=norm.eps, heads=True)
+    y = norm(x) if z is None else norm(x, z)
+    return linear(y.flatten(-2), proj)
 
 
 class SwiGLU(nn.Module):

@@ -43,4 +43,4 @@ class DeltaNet(LinearMixer):
         k, v, beta = mask_tokens(mask, k, v, beta)
         o = self.run_kernel(chunk_delta_rule, recurrent_delta_rule, q, k, v, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
-        return self.output(self.o_norm(o))
+        return self.output(o)

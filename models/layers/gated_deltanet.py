@@ -63,4 +63,4 @@ class GatedDeltaNet(LinearMixer):
         o = self.run_kernel(chunk_gated_delta_rule, recurrent_gated_delta_rule, q, k, v, g, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
-        return self.output(self.o_norm(o, gate))
+        return self.output(o, gate)

@@ -44,4 +44,4 @@ class GatedLinearAttention(LinearMixer):
         o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
-        return self.output(self.o_norm(o, gate))
+        return self.output(o, gate)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE
 
-from ..modules import ShortConv, l2_normalize, linear, linears, run_short_convs
+from ..modules import ShortConv, l2_normalize, linears, output_projection, run_short_convs
 from .base import Mixer
 
 
@@ -94,6 +94,6 @@ class LinearMixer(Mixer):
             layer_cache["recurrent"] = state
         return o
 
-    def output(self, o):
-        b, t = o.shape[:2]
-        return linear(o.reshape(b, t, self.num_heads * self.head_v), self.o_proj)
+    def output(self, o, gate=None):
+        """``o_proj(o_norm(o[, gate]))`` over the merged heads of o ``[B, T, H, V]``."""
+        return output_projection(self.o_norm, o, gate, self.o_proj)

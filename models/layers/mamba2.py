@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttr.kernels.common.index import CHUNK_SIZE, Packing
-from ttr.kernels.norm import gated_rms_norm
 from ttr.kernels.ssd import chunk_conv_ssd, chunk_simple_gla, chunk_ssd, recurrent_simple_gla, recurrent_ssd
 
-from ..modules import ShortConv, init_time_step_bias, linear, mask_tokens, run_short_convs
+from ..modules import ShortConv, init_time_step_bias, linear, mask_tokens, norm_linear, run_short_convs
 from .base import Mixer
 
 
@@ -192,7 +191,7 @@ class Mamba2(Mixer):
         else:
             y = self._ssd_with_states(xbc, dt, a, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
                                       decoding=decoding)
-        # gate, then per-group RMSNorm, in one kernel that keeps y, z (read in place) and the stats
-        y = gated_rms_norm(y.reshape(b, t, self.d_inner), z, self.norm_weight, eps=self.eps,
+        # gate, then per-group RMSNorm, then out_proj: the norm keeps y, z (read in place) and the
+        # stats, and its output is formed again in the backward for out_proj's weight gradient
+        return norm_linear(y.reshape(b, t, self.d_inner), z, self.norm_weight, self.out_proj, eps=self.eps,
                            norm_before_gate=False, groups=self.n_groups)
-        return linear(y, self.out_proj)

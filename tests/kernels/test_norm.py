@@ -1,4 +1,5 @@
-"""RMSNorm, gated RMSNorm and L2 norm: every backend against the float64 oracle (outputs, dx, dz, dweight).
+"""RMSNorm, gated RMSNorm, L2 norm and an output norm with its projection (``norm_linear``): every
+backend against the float64 oracle (outputs, dx, dz, dweight, the projection's gradients).
 
 Odd D, leading dims of any rank, mixed dtypes (fp32 weight with lower-precision x). The "triton"
 backend runs the Triton kernels (interpreter on CPU, fp32).
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from ttr.kernels.norm import (
     gated_rms_norm,
     l2_norm,
+    norm_linear,
     reference_gated_rms_norm,
     reference_l2_norm,
     reference_residual_rms_norm,
@@ -295,3 +297,109 @@ def test_norm_launch_overrides(monkeypatch, stage):
     grads_ref = torch.autograd.grad(ref, ref_leaves, [torch.ones_like(o) for o in ref])
     for g, r in zip(grads, grads_ref):
         assert rel_rms(g, r) < TOL
+
+
+def reference_norm_linear(x, z, w, pw, pb=None, *, eps=1e-6, norm_before_gate=True, groups=1, heads=False):
+    y = reference_gated_rms_norm(x, z, w, eps=eps, norm_before_gate=norm_before_gate, groups=groups) if z is not None \
+        else reference_rms_norm(x, w, eps=eps)
+    return F.linear(y.flatten(-2) if heads else y, pw.to(y.dtype), None if pb is None else pb.to(y.dtype))
+
+
+def check_norm_linear(args, tol, **kw):
+    """norm_linear against the float64 composition: output and every input's gradient, each in
+    its input's dtype."""
+    outs = []
+    for upcast in (False, True):
+        leaves = [None if a is None else (a.detach().double() if upcast else a.detach().clone()).requires_grad_()
+                  for a in args]
+        y = (reference_norm_linear if upcast else norm_linear)(*leaves, **kw)
+        if not outs:
+            dy = torch.randn(y.shape, device=y.device, dtype=torch.float64)
+        used = [a for a in leaves if a is not None]
+        outs.append((y, torch.autograd.grad(y, used, dy.to(y.dtype)), used))
+    (y, grads, used), (y_ref, grads_ref, _) = outs
+    assert y.dtype == args[0].dtype and y.shape == y_ref.shape
+    assert rel_rms(y, y_ref) < tol
+    for i, (g, r, a) in enumerate(zip(grads, grads_ref, used)):
+        assert g.dtype == a.dtype and g.shape == a.shape
+        assert rel_rms(g, r) < tol, f"grad {i}: {rel_rms(g, r)}"
+
+
+@pytest.mark.parametrize("gate", ["none", "after", "first"])
+@pytest.mark.parametrize("heads", [False, True])
+def test_norm_linear(backend, gate, heads):
+    """Per-head norms merged for the projection (Gated DeltaNet, GLA, DeltaNet without a gate) and
+    one norm over the row, gate first in groups (Mamba2), with a bias."""
+    shape = (2, 7, 3, 32) if heads else (2, 7, 96)
+    x = torch.randn(*shape, device=DEVICE)
+    z = None if gate == "none" else 2 * torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    pw = torch.randn(40, 96, device=DEVICE) / 10
+    pb = torch.randn(40, device=DEVICE)
+    groups = 2 if gate == "first" and not heads else 1
+    check_norm_linear((x, z, w, pw, pb), TOL, norm_before_gate=gate != "first", groups=groups, heads=heads)
+
+
+def test_norm_linear_one_head(backend):
+    """One head: x ``[B, T, 1, D]`` still gives ``[B, T, O]``."""
+    x = torch.randn(2, 5, 1, 32, device=DEVICE)
+    out = norm_linear(x, None, torch.ones(32, device=DEVICE), torch.randn(8, 32, device=DEVICE), heads=True)
+    assert out.shape == (2, 5, 8)
+
+
+def test_norm_linear_bf16_with_fp32_projection(backend):
+    """bf16 activations, fp32 norm and projection weights (a mixed-precision layer): the output in
+    bf16, every weight's gradient in fp32."""
+    x, z = (torch.randn(3, 20, 4, 16, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(16, device=DEVICE)
+    check_norm_linear((x, z, w, torch.randn(24, 64, device=DEVICE) / 8, None), 2e-2, heads=True)
+
+
+def test_norm_linear_keeps_no_norm_output(backend):
+    """What the backward keeps is x, z, the norm's weight and statistics and the projection's
+    weight: not the norm's ``[tokens, F]`` output."""
+    x, z = (torch.randn(4, 8, 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    w = torch.ones(16, device=DEVICE, requires_grad=True)
+    pw = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = norm_linear(x, z, w, pw, heads=True)
+    out.sum().backward()
+    if backend == "triton":
+        assert sorted(saved) == sorted([x.numel(), z.numel(), w.numel(), 4 * 8 * 2, pw.numel()])
+    assert all(t.grad is not None for t in (x, z, w, pw))
+
+
+def test_norm_linear_bad_inputs():
+    x = torch.randn(2, 3, 4, 8)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="proj_weight"):
+        norm_linear(x, None, w, torch.randn(5, 8), heads=True)
+    with pytest.raises(ValueError, match="proj_weight"):
+        norm_linear(x, None, w, torch.randn(5, 32))
+    with pytest.raises(ValueError, match="proj_bias"):
+        norm_linear(x, None, w, torch.randn(5, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="weight"):
+        norm_linear(x, None, torch.ones(7), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="heads"):
+        norm_linear(torch.randn(8), None, w, torch.randn(5, 8), heads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["gated_deltanet", "mamba2"])
+def test_norm_linear_gpu(monkeypatch, layer):
+    """bf16 at the 1.3B layers' shapes (Gated DeltaNet's 16 heads of 128 gated after the norm;
+    Mamba2's 4096 channels gated first, the gate a column slice of a wider tensor), fp32
+    weights: against float64."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    torch.manual_seed(0)
+    if layer == "gated_deltanet":
+        x, z = (torch.randn(2, 2048, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kw = dict(heads=True)
+    else:
+        x = torch.randn(2, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+        z = torch.randn(2, 2048, 4096 + 96, device="cuda", dtype=torch.bfloat16)[..., 48:4096 + 48]
+        kw = dict(norm_before_gate=False)
+    w = 1 + 0.1 * torch.randn(x.shape[-1], device="cuda")
+    pw = torch.randn(2048, 2048 if layer == "gated_deltanet" else 4096, device="cuda") / 64
+    check_norm_linear((x, z, w, pw, None), 1e-2, **kw)
