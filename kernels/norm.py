@@ -41,7 +41,14 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import tuned
-from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device, weight_grad
+from ttr.kernels.utils import (
+    check_dtype,
+    check_like,
+    check_projection,
+    kernel_backend,
+    on_input_device,
+    weight_grad,
+)
 
 MAX_D = 8192
 
@@ -525,21 +532,12 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
         weight, proj_weight and proj_bias.
     """
     _check(x, z, weight, eps, groups=groups)
-    check_dtype("proj_weight", proj_weight)
     if heads and x.dim() < 2:
         raise ValueError(f"x must have shape [..., H, D] with heads=True, got {tuple(x.shape)}")
     d = x.shape[-1]
     f = x.shape[-2] * d if heads else d
-    if proj_weight.dim() != 2 or proj_weight.shape[1] != f:
-        raise ValueError(f"proj_weight must have shape [O, F] with F = {f} ({'H * D' if heads else 'D'} of x "
-                         f"{tuple(x.shape)}), got {tuple(proj_weight.shape)}")
-    if proj_weight.device != x.device:
-        raise ValueError(f"proj_weight is on {proj_weight.device} but x is on {x.device}")
-    if proj_bias is not None:
-        check_dtype("proj_bias", proj_bias)
-        if proj_bias.shape != proj_weight.shape[:1] or proj_bias.device != x.device:
-            raise ValueError(f"proj_bias must have shape [O] = [{proj_weight.shape[0]}] on {x.device}, "
-                             f"got {tuple(proj_bias.shape)} on {proj_bias.device}")
+    check_projection("proj_weight", proj_weight, "proj_bias", proj_bias, f,
+                     f"{'H * D' if heads else 'D'} of x {tuple(x.shape)}", x)
     lead = x.shape[:-2] if heads else x.shape[:-1]
     if kernel_backend(x) == "torch":
         y = _torch_norm(x, z, weight, eps, None, norm_before_gate, groups).reshape(*lead, f)

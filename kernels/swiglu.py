@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device, weight_grad
+from ttr.kernels.utils import (
+    check_dtype,
+    check_like,
+    check_projection,
+    kernel_backend,
+    on_input_device,
+    weight_grad,
+)
 
 BLOCK = 2048
 
@@ -190,15 +197,6 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
         ``[..., O]`` in gate's dtype; gradients flow to gate, up, weight and bias.
     """
     _check(gate, up)
-    check_dtype("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
-        raise ValueError(f"weight must have shape [O, I] with I={gate.shape[-1]}, got {tuple(weight.shape)}")
-    if weight.device != gate.device:
-        raise ValueError(f"weight is on {weight.device} but gate is on {gate.device}")
-    if bias is not None:
-        check_dtype("bias", bias)
-        if bias.shape != weight.shape[:1] or bias.device != weight.device:
-            raise ValueError(f"bias must have shape [O] = [{weight.shape[0]}] on {weight.device}, "
-                             f"got {tuple(bias.shape)} on {bias.device}")
+    check_projection("weight", weight, "bias", bias, gate.shape[-1], "I, gate's last dim", gate)
     triton_path = kernel_backend(gate) == "triton" and gate.dtype != torch.float64
     return _SwiGLULinear.apply(gate, up, weight, bias, triton_path)

@@ -94,6 +94,22 @@ def check_like(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor, sam
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+def check_projection(weight_name: str, weight: torch.Tensor, bias_name: str, bias: torch.Tensor | None,
+                     width: int, what: str, x: torch.Tensor) -> None:
+    """A projection applied to rows of ``width`` values (``what`` says which, for the message):
+    ``weight [O, width]`` and ``bias [O]`` or None, floating, on x's device."""
+    check_dtype(weight_name, weight)
+    if weight.dim() != 2 or weight.shape[1] != width:
+        raise ValueError(f"{weight_name} must have shape [O, {width}] ({what}), got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{weight_name} is on {weight.device} but the input is on {x.device}")
+    if bias is not None:
+        check_dtype(bias_name, bias)
+        if bias.shape != weight.shape[:1] or bias.device != x.device:
+            raise ValueError(f"{bias_name} must have shape [O] = [{weight.shape[0]}] on {x.device}, "
+                             f"got {tuple(bias.shape)} on {bias.device}")
+
+
 def check_rank(name: str, x: torch.Tensor, rank: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
