@@ -16,11 +16,17 @@ the inputs):
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
          of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused;
          ``--sweep`` times the norm kernels at NORM_SWEEP's launches (``norm_fwd``, ``norm_bwd``).
+  proj   the projections whose input the backward forms again, at the 1.3B presets' shapes (read
+         off the models): each mixer's output norm and o_proj (``norm_linear``) and the MLP's
+         SwiGLU product and down_proj (``swiglu_linear``), against the op and then the module,
+         as a model ran them before; bf16 autocast over fp32 weights, and the MiB each keeps for
+         the backward.
 
     python -m ttr.scripts.bench_fused
     python -m ttr.scripts.bench_fused --only loss --chunk-size 2048 --reps 10
     python -m ttr.scripts.bench_fused --only conv --sweep
     python -m ttr.scripts.bench_fused --only norm --sweep
+    python -m ttr.scripts.bench_fused --only proj
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ import torch.nn.functional as F
 from ttr.kernels.common.index import prepare_packing
 from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
-from ttr.kernels.norm import gated_rms_norm, residual_rms_norm, rms_norm
+from ttr.kernels.norm import gated_rms_norm, norm_linear, residual_rms_norm, rms_norm
+from ttr.kernels.swiglu import swiglu, swiglu_linear
 from ttr.kernels.utils import backend_override
 from ttr.models.presets import get_preset
 from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
 
-SECTIONS = ("loss", "conv", "norm")
+SECTIONS = ("loss", "conv", "norm", "proj")
 CONV_SWEEP = {
     "conv_fwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 256), (32, 128), (32, 256), (64, 64),
                  (64, 128), (128, 64), (128, 128)) for nw in (2, 4, 8)],
@@ -296,6 +303,102 @@ def bench_norm(args, dtype):
     bench_residual_norm(args, dtype)
 
 
+def preset_projections(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[dict]:
+    """The first block's projections whose input the backward forms again, read off each model
+    built on the meta device: the mixer's output norm before o_proj / out_proj (per-head width D,
+    heads H, gated, gate first, groups, the projection's shape) and the MLP's down projection
+    (its input width I and output width)."""
+    from ttr.models.modeling import TTRForCausalLM
+    from ttr.models.modules import GatedRMSNorm
+
+    found = []
+    for preset in presets:
+        cfg = get_preset(preset)
+        with torch.device("meta"):
+            block = TTRForCausalLM(cfg).model.layers[0]
+        mixer = block.mixer
+        if hasattr(mixer, "o_norm"):
+            norm, proj = mixer.o_norm, mixer.o_proj
+            found.append(dict(name=f"{preset} o_norm + o_proj", kind="norm", d=norm.weight.shape[0],
+                              heads=proj.in_features // norm.weight.shape[0], gated=isinstance(norm, GatedRMSNorm),
+                              gate_first=False, groups=1, out=proj.out_features))
+        elif hasattr(mixer, "out_proj") and hasattr(mixer, "norm_weight"):
+            found.append(dict(name=f"{preset} gated norm + out_proj", kind="norm", d=mixer.norm_weight.shape[0],
+                              heads=1, gated=True, gate_first=True, groups=mixer.n_groups,
+                              out=mixer.out_proj.out_features))
+        mlp = getattr(block, "mlp", None)
+        if mlp is not None:
+            found.append(dict(name=f"{preset} SwiGLU + down_proj", kind="mlp", d=mlp.down_proj.in_features,
+                              out=mlp.down_proj.out_features))
+    return found
+
+
+def kept_mib(forward, inputs) -> float:
+    """MiB that one call of ``forward()`` keeps for its backward, the ``inputs``' storages aside."""
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values()) / 2**20
+
+
+def projection_calls(spec: dict, tokens: int, dtype, device=DEVICE):
+    """(inputs, {name: forward}) of one ``preset_projections`` entry: the fused op and the op before
+    it then the projection as a module, both under autocast to ``dtype`` with fp32 weights."""
+    lin = torch.nn.Linear(spec["d"] * spec.get("heads", 1), spec["out"], bias=False, device=device)
+
+    def autocast(fn):
+        def run():
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                return fn()
+
+        return run
+
+    if spec["kind"] == "mlp":
+        gate, up = (torch.randn(tokens, spec["d"], device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        inputs = (gate, up, lin.weight)
+        return inputs, {
+            "fused (swiglu_linear)": autocast(lambda: swiglu_linear(gate, up, lin.weight)),
+            "swiglu, then the module": autocast(lambda: lin(swiglu(gate, up))),
+        }
+    shape = (tokens, spec["heads"], spec["d"]) if spec["heads"] > 1 else (tokens, spec["d"])
+    x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    z = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) if spec["gated"] else None
+    w = torch.ones(spec["d"], device=device, requires_grad=True)
+    kw = dict(norm_before_gate=not spec["gate_first"], groups=spec["groups"])
+    inputs = tuple(t for t in (x, z, w, lin.weight) if t is not None)
+
+    def unfused():
+        y = gated_rms_norm(x, z, w, **kw) if z is not None else rms_norm(x, w)
+        return lin(y.flatten(-2) if spec["heads"] > 1 else y)
+
+    return inputs, {
+        "fused (norm_linear)": autocast(lambda: norm_linear(x, z, w, lin.weight, heads=spec["heads"] > 1, **kw)),
+        "the norm, then the module": autocast(unfused),
+    }
+
+
+def bench_proj(args, dtype):
+    print(f"\nprojections whose input the backward forms again: {args.tokens} tokens, {dtype} autocast, fp32 "
+          f"weights\n| {'op':<56} | {'fwd ms':>8} | {'f+b ms':>8} | {'peak MiB':>10} | {'kept MiB':>10} |")
+    print(f"|{'-' * 58}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 12}|", flush=True)
+    for spec in preset_projections():
+        inputs, calls = projection_calls(spec, args.tokens, dtype)
+        for name, fn in calls.items():
+            fn = with_backend("triton", fn)
+            fwd, fwd_bwd, peak = measure(fn, inputs, args.reps, args.warmup, with_peak=True)
+            label = f"{spec['name']}: {name}"
+            print(f"| {label:<56} | {fwd:8.3f} | {fwd_bwd:8.3f} | {peak:10.0f} | {kept_mib(fn, inputs):10.0f} |",
+                  flush=True)
+
+
 def describe():
     try:
         commit = subprocess.run(
@@ -317,7 +420,7 @@ def main(argv=None):
         raise SystemExit("bench_fused needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
     describe()
-    sections = {"loss": bench_loss, "conv": bench_conv, "norm": bench_norm}
+    sections = {"loss": bench_loss, "conv": bench_conv, "norm": bench_norm, "proj": bench_proj}
     for name in args.only:
         sections[name](args, dtype)
         torch.cuda.empty_cache()

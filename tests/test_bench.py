@@ -395,3 +395,26 @@ def test_bench_model_profile_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_model.parse_args(["--device", "cpu", "--profile", "--loop", "trainer"])
     assert "--profile: profiles the plain loop only" in capsys.readouterr().err
+
+
+def test_bench_fused_projection_shapes_and_calls(monkeypatch):
+    """bench_fused's proj section times the models' own projections (Gated DeltaNet's per-head
+    gated o_norm and o_proj, its MLP's down_proj, Mamba2's gate-first grouped norm and out_proj),
+    and its two calls of each agree while the fused one keeps the projection's input less."""
+    gdn, mamba = get_preset("gated_deltanet-1.3b"), get_preset("mamba2-1.3b")
+    specs = {s["name"]: s for s in bench_fused.preset_projections()}
+    o = specs["gated_deltanet-1.3b o_norm + o_proj"]
+    assert (o["d"], o["heads"], o["gated"], o["gate_first"], o["out"]) == (
+        int(gdn.head_dim * gdn.expand_v), gdn.num_heads, True, False, gdn.hidden_size)
+    assert specs["gated_deltanet-1.3b SwiGLU + down_proj"]["d"] == gdn.intermediate_size
+    m = specs["mamba2-1.3b gated norm + out_proj"]
+    assert (m["gated"], m["gate_first"], m["groups"], m["heads"]) == (True, True, mamba.mamba_n_groups, 1)
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    small = [dict(o, d=16, heads=4, out=24), dict(m, d=32, groups=2, out=24),
+             dict(kind="mlp", name="mlp", d=40, out=24)]
+    for spec in small:
+        inputs, calls = bench_fused.projection_calls(spec, 32, torch.bfloat16, device="cpu")
+        (fused, unfused), width = calls.values(), spec["d"] * spec.get("heads", 1)
+        torch.testing.assert_close(fused().float(), unfused().float(), rtol=2e-2, atol=2e-2)
+        saved = bench_fused.kept_mib(unfused, inputs) - bench_fused.kept_mib(fused, inputs)
+        assert saved * 2**20 == 32 * width * 2, spec["name"]
