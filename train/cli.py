@@ -115,9 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             child = child[:i] + child[i + 2 :]
         return launch(args.nproc, child)
 
+    from ttr.kernels.common.index import chunk_states
+
     from .config import load_config
     from .trainer import Trainer
 
+    chunk_states()  # a bad TTR_CHUNK_STATES fails here, not at the first step
     cfg = load_config(args.config or default_config_path(), overrides)
     record = Trainer(cfg, resume=args.resume or False, resume_from=args.resume_from, overwrite=args.overwrite).run()
     if record.get("stopped_by"):

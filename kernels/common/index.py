@@ -197,13 +197,19 @@ KEEP_STATES_MIN_CHUNKS = 96
 CHUNK_STATES = ("auto", "keep", "recompute")
 
 
+def chunk_states() -> str:
+    """``TTR_CHUNK_STATES`` (``auto`` when unset), checked: a bad value raises naming it."""
+    choice = os.environ.get("TTR_CHUNK_STATES", "").strip().lower() or "auto"
+    if choice not in CHUNK_STATES:
+        raise ValueError(f"TTR_CHUNK_STATES must be one of {CHUNK_STATES}, got {choice!r}")
+    return choice
+
+
 def keep_states(plan: ChunkPlan) -> bool:
     """Whether the forward keeps its states for the backward: ``TTR_CHUNK_STATES`` (``auto``,
     ``keep`` or ``recompute``), by default (``auto``) when the sequences average at least
     ``KEEP_STATES_MIN_CHUNKS`` chunks."""
-    choice = os.environ.get("TTR_CHUNK_STATES", "").strip().lower() or "auto"
-    if choice not in CHUNK_STATES:
-        raise ValueError(f"TTR_CHUNK_STATES must be one of {CHUNK_STATES}, got {choice!r}")
+    choice = chunk_states()
     if choice != "auto":
         return choice == "keep"
     return plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs

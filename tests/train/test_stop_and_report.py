@@ -127,3 +127,14 @@ def test_one_line_errors_and_debug(corpus_dir, cache_dir, tmp_path, capsys):
     assert _train(tmp_path, table, f"--resume-from={ckpt}") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{ckpt / 'trainer_state.json'} is not valid JSON" in err
+
+
+def test_bad_chunk_states_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """A bad ``TTR_CHUNK_STATES`` stops ``ttr train`` before it reads the config or touches a run
+    directory, in one line naming the variable."""
+    monkeypatch.setenv("TTR_CHUNK_STATES", "always")
+    missing = tmp_path / "no_such.toml"
+    assert main(["train", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "TTR_CHUNK_STATES must be one of" in err and "'always'" in err
+    assert list(tmp_path.iterdir()) == []
