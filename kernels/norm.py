@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ttr.kernels.common.index import tuned
 from ttr.kernels.utils import (
+    bias_grad,
     check_dtype,
     check_like,
     check_projection,
@@ -291,12 +292,14 @@ class _NormLinearFunction(torch.autograd.Function):
         dx, dz, dw, _, y = _triton_bwd(x2, z2, w, dy, rstd, ctx.gate_first, store_y=need[6])
         del dy
         dpw = weight_grad(dout, y.view(-1, pw.shape[1]), ctx.dtypes[0]) if need[6] else None
-        dpb = dout.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.dtypes[1] is not None and need[7] else None
+        dpb = bias_grad(dout, ctx.dtypes[1]) if need[7] else None
         return dx, dz, dw, None, None, None, dpw, dpb
 
 
-def _check(x, z, weight, eps, out_dtype=None, groups=1) -> None:
+def _check(x, z, weight, eps, out_dtype=None, groups=1, norm_before_gate=True) -> None:
     check_dtype("x", x)
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
     if out_dtype is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype!r}")
     check_dtype("weight", weight)
@@ -496,9 +499,7 @@ def gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
     Returns:
         ``[..., D]`` in x's dtype; gradients flow to x, z and weight.
     """
-    _check(x, z, weight, eps, groups=groups)
-    if not isinstance(norm_before_gate, bool):
-        raise TypeError(f"norm_before_gate must be a bool, got {type(norm_before_gate).__name__}")
+    _check(x, z, weight, eps, groups=groups, norm_before_gate=norm_before_gate)
     if kernel_backend(x) == "torch":
         return _torch_norm(x, z, weight, eps, None, norm_before_gate, groups)
     return _RMSNormFunction.apply(x, z, weight, float(eps), None, norm_before_gate, groups)
@@ -531,7 +532,7 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
         ``[..., O]`` (x's dims before D, or before H and D) in x's dtype; gradients flow to x, z,
         weight, proj_weight and proj_bias.
     """
-    _check(x, z, weight, eps, groups=groups)
+    _check(x, z, weight, eps, groups=groups, norm_before_gate=norm_before_gate)
     if heads and x.dim() < 2:
         raise ValueError(f"x must have shape [..., H, D] with heads=True, got {tuple(x.shape)}")
     d = x.shape[-1]

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.utils import (
+    bias_grad,
     check_dtype,
     check_like,
     check_projection,
@@ -140,7 +141,7 @@ class _SwiGLULinear(torch.autograd.Function):
         dg, du, y = bwd(gate, up, dy, store_y=need[2])
         del dy
         dw = weight_grad(dout2, y.view(-1, w.shape[1]), ctx.dtypes[0]) if need[2] else None
-        db = dout2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.dtypes[1] is not None and need[3] else None
+        db = bias_grad(dout2, ctx.dtypes[1]) if need[3] else None
         return dg, du, dw, db, None
 
 

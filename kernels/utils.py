@@ -155,9 +155,15 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.T
     backward would round the product to bf16 and then cast it up in a kernel of its own, one
     ``[out, in]`` read and write per weight per step. Off CUDA the operands are cast up first,
     which forms the same unrounded product."""
-    if g.dtype == dtype:
-        return g.t() @ x
-    if g.is_cuda and dtype == torch.float32:
-        return torch.mm(g.t(), x, out_dtype=dtype)
-    with torch.autocast(g.device.type, enabled=False):  # a backward inside autocast would cast back
+    with torch.autocast(g.device.type, enabled=False):  # a backward inside autocast would cast
+        if g.dtype == dtype:
+            return g.t() @ x
+        if g.is_cuda and dtype == torch.float32:
+            return torch.mm(g.t(), x, out_dtype=dtype)
         return g.t().to(dtype) @ x.to(dtype)
+
+
+def bias_grad(g: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The bias's gradient, the column sums of ``g [rows, O]`` accumulated in fp32 and returned in
+    the bias's ``dtype``; None where there is no bias (``dtype`` None)."""
+    return None if dtype is None else g.sum(0, dtype=torch.float32).to(dtype)

@@ -12,7 +12,7 @@ from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
 from ttr.kernels.norm import norm_linear as fused_norm_linear
 from ttr.kernels.swiglu import swiglu, swiglu_linear
-from ttr.kernels.utils import weight_grad
+from ttr.kernels.utils import bias_grad, weight_grad
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -53,18 +53,22 @@ class _SharedInputLinear(torch.autograd.Function):
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
             dws.append(weight_grad(g2, x2, ctx.dtypes[i]) if need[2 + i] else None)
-            bias_dtype = ctx.dtypes[n + i]
-            dbs.append(g2.sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype is not None and need[2 + n + i]
-                       else None)
+            dbs.append(bias_grad(g2, ctx.dtypes[n + i]) if need[2 + n + i] else None)
         return (dx.view(x.shape) if dx is not None else None), None, *dws, *dbs
 
 
-def _plain(modules) -> bool:
-    """Every module a plain ``nn.Linear`` that no forward hook watches: calling its Function in
-    place of the module changes nothing a user can see."""
+def _plain(modules, types=(nn.Linear,)) -> bool:
+    """Every module exactly one of ``types`` (a plain ``nn.Linear`` by default) and no forward
+    hook watching it: calling a Function in place of the module changes nothing a user can see."""
     return all(
-        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules
+        type(m) in types and not m._forward_hooks and not m._forward_pre_hooks for m in modules
     ) and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def _fusable(proj: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``proj`` may run inside a fused node on ``x`` (``norm_linear``, ``swiglu_linear``):
+    a plain ``nn.Linear`` in a pass that records gradients, on x in the dtype it would compute in."""
+    return _plain([proj]) and torch.is_grad_enabled() and (autocast_dtype(x) or proj.weight.dtype) == x.dtype
 
 
 def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -124,8 +128,7 @@ def norm_linear(x, z, weight, proj: nn.Module, *, eps: float, norm_before_gate: 
     One autograd node (``kernels.norm.norm_linear``, which does not keep the norm's output for
     the projection's backward) when ``proj`` is a plain ``nn.Linear`` and the norm's output is in
     x's dtype as the projection would compute it; otherwise the norm and then ``linear``."""
-    dtype = autocast_dtype(x) or proj.weight.dtype
-    if _plain([proj]) and torch.is_grad_enabled() and dtype == x.dtype:
+    if _fusable(proj, x):
         return fused_norm_linear(x, z, weight, proj.weight, proj.bias, eps=eps, norm_before_gate=norm_before_gate,
                                  groups=groups, heads=heads)
     if z is None:
@@ -139,9 +142,7 @@ def output_projection(norm: nn.Module, x: torch.Tensor, z: torch.Tensor | None, 
     """``proj(norm(x[, z]))`` over the merged heads of x ``[..., H, D]``, by ``norm_linear`` when
     ``norm`` is ttr's own ``RMSNorm`` / ``GatedRMSNorm`` without hooks; any other module in its
     place is called."""
-    if type(norm) in (RMSNorm, GatedRMSNorm) and not (norm._forward_hooks or norm._forward_pre_hooks) and not (
-        nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-    ):
+    if _plain([norm], (RMSNorm, GatedRMSNorm)):
         return norm_linear(x, z, norm.weight, proj, eps=norm.eps, heads=True)
     y = norm(x) if z is None else norm(x, z)
     return linear(y.flatten(-2), proj)
@@ -160,8 +161,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, self.gate_proj, self.up_proj)
         down = self.down_proj
-        if _plain([down]) and torch.is_grad_enabled() and (autocast_dtype(gate) or down.weight.dtype) == gate.dtype:
-            # the product is not kept for the down projection's backward (swiglu_linear)
+        if _fusable(down, gate):  # the product is not kept for the down projection's backward
             return swiglu_linear(gate, up, down.weight, down.bias)
         return down(swiglu(gate, up))
 

@@ -383,6 +383,8 @@ def test_norm_linear_bad_inputs():
         norm_linear(x, None, torch.ones(7), torch.randn(5, 8))
     with pytest.raises(ValueError, match="heads"):
         norm_linear(torch.randn(8), None, w, torch.randn(5, 8), heads=True)
+    with pytest.raises(TypeError, match="norm_before_gate"):
+        norm_linear(x, x, w, torch.randn(5, 8), norm_before_gate="no")
 
 
 @pytest.mark.gpu
