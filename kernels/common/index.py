@@ -189,10 +189,12 @@ def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
 # state pass walks the chunks of a sequence one after another (or, without the delta term and for
 # long sequences, in two levels), so for long sequences recomputing it dominates the backward; when
 # the sequences average at least this many chunks the forward keeps ``h`` (``[NT, H, K, V]`` in the
-# input dtype: K/64 times the size of k) and what else the mixer's backward would recompute.
-# Shorter sequences (training batches of packed documents) recompute, which costs no memory.
-# ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the rule for every op: a run-time choice of
-# memory against time, like the backend, never stored in a model.
+# input dtype: V/64 times the size of k) and what else the mixer's backward would recompute.
+# Shorter sequences (training batches of packed documents) recompute h; the delta rules still keep
+# w and v_new (the size of k and v), with which the backward's walk needs neither the WY stage nor
+# the ``w h`` product (``delta/chunk.py``). ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the
+# rule for every op (``recompute``: nothing kept, the least memory): a run-time choice of memory
+# against time, like the backend, never stored in a model.
 KEEP_STATES_MIN_CHUNKS = 96
 CHUNK_STATES = ("auto", "keep", "recompute")
 

@@ -5,13 +5,14 @@ Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below)
 dv -> reverse state pass (dh, dh0, full dv) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta, dg),
 whose last step maps dg from cumulative back to raw gates.
 
-Keep or recompute: the state pass is sequential over the chunks of a sequence, so for long
-sequences recomputing it (and the WY stage that feeds it) becomes a large share of the backward,
-while for short sequences it is cheap. When the sequences average at least
-``index.KEEP_STATES_MIN_CHUNKS`` chunks, the forward keeps w, h and v_new for the backward (``h``
-is ``[NT, H, K, V]`` in the input dtype: K/64 times the size of k, plus w and v_new the size of k
-and v); shorter sequences (training batches of packed documents) recompute them, which costs no
-memory.
+Keep or recompute (``TTR_CHUNK_STATES``, ``index.chunk_states``): the backward needs w, h and
+v_new. ``h`` is ``[NT, H, K, V]`` in the input dtype (V/64 times the size of k), w and v_new the
+size of k and v. When the sequences average at least ``index.KEEP_STATES_MIN_CHUNKS`` chunks (or
+with ``keep``) the forward keeps all three. Otherwise, by default, it keeps w and v_new and the
+backward walks the chunks again without w: with v_new given, the state update needs neither the
+WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
+reads v_new as stored, so the states come out the same). ``recompute`` keeps none of them: the
+backward forms w and u again from the kept inverse and runs the full state pass, the least memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import keep_states, prepare_chunks
+from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
@@ -40,7 +41,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                  output_final_state=output_final_state)
         o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
-        kept = (w, h, v_new) if keep_states(plan) else ()
+        kept = (w, h, v_new) if keep_states(plan) else (w, v_new) if chunk_states() == "auto" else ()
         ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, ht
@@ -51,8 +52,11 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        if kept:
+        if len(kept) == 3:
             w, h, v_new = kept
+        elif kept:
+            w, v_new = kept
+            h = state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)

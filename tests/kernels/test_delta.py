@@ -112,6 +112,37 @@ def test_chunk_kept_states_match_oracle(monkeypatch, op, cu_list):
     check_against_oracle(op, x, cu, tol=1e-4)
 
 
+def grads_per_choice(monkeypatch, op, x, cu):
+    """``outputs_and_grads`` of the chunk op under each ``TTR_CHUNK_STATES`` choice."""
+    B, T, H, V = x["v"].shape
+    gen = torch.Generator(device=x["q"].device).manual_seed(1)
+    do = torch.randn(B, T, H, V, device=x["q"].device, generator=gen)
+    n = B if cu is None else cu.numel() - 1
+    dht = torch.randn(n, H, x["k"].shape[-1], V, device=x["q"].device, generator=gen)
+    runs = {}
+    for choice in ("keep", "auto", "recompute"):
+        monkeypatch.setenv("TTR_CHUNK_STATES", choice)
+        runs[choice] = outputs_and_grads(OPS[op][0], op, x, cu, do, dht)
+    return runs
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("cu_list", [None, PACKED[0]], ids=["single", "packed"])
+def test_chunk_states_choices_give_the_same_gradients(monkeypatch, op, cu_list):
+    """Keeping w, h and v_new, keeping w and v_new and walking the states again without w (the
+    default for short sequences), or recomputing all three: the same outputs and gradients, bit
+    for bit (the forward's state update reads v_new as stored)."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    T = 130 if cu_list is None else cu_list[-1]
+    x, cu = make_inputs(op, 1, T, 2, 16, 16, beta_max=2.0, cu_seqlens=cu_list, h0=True)
+    runs = grads_per_choice(monkeypatch, op, x, cu)
+    o, ht, grads = runs["keep"]
+    for choice in ("auto", "recompute"):
+        o2, ht2, grads2 = runs[choice]
+        assert torch.equal(o, o2) and torch.equal(ht, ht2), choice
+        assert all(torch.equal(grads[n], grads2[n]) for n in grads), choice
+
+
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("beta_max,h0", [(2.0, True), (1.0, False)])
 def test_chunk_packed_matches_oracle(backend, op, beta_max, h0):
@@ -303,6 +334,25 @@ def test_gpu_chunk_equals_recurrent_decoding(monkeypatch, op, dtype, D):
     o_rec, ht_rec = call(OPS[op][1], op, x, None)
     tol = GPU_TOL[dtype]
     assert rel_rms(o_chunk, o_rec) < tol and rel_rms(ht_chunk, ht_rec) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_chunk_states_choices_agree(monkeypatch, op, dtype):
+    """On the GPU, in bf16 at the presets' head shape: the three ``TTR_CHUNK_STATES`` choices give
+    the same outputs, and gradients equal to within a tenth of the oracle tolerance (the walks
+    with and without w run on different launches)."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, cu = make_inputs(op, 1, 2000, 4, 128, 128, beta_max=2.0, cu_seqlens=[0, 1, 700, 764, 2000], dtype=dtype,
+                        device="cuda")
+    runs = grads_per_choice(monkeypatch, op, x, cu)
+    o, ht, grads = runs["keep"]
+    for choice in ("auto", "recompute"):
+        o2, ht2, grads2 = runs[choice]
+        assert torch.equal(o, o2) and torch.equal(ht, ht2), choice
+        errors = {n: rel_rms(grads2[n], grads[n]) for n in grads}
+        assert all(e <= GPU_TOL[dtype] / 10 for e in errors.values()), (choice, errors)
 
 
 STATE_CFGS = [None, {"num_stages": 1}, {"num_stages": 2}, {"num_warps": 4}, {"num_warps": 8}, {"BV": 64, "num_stages": 1}]

@@ -195,9 +195,10 @@ def test_chunk_states_choice(monkeypatch):
         index.keep_states(short)
 
 
-@pytest.mark.parametrize("choice", ["keep", "recompute"])
-def test_ops_keep_states_when_asked(monkeypatch, choice):
-    """A delta-rule op keeps its forward's states (three more saved tensors) exactly when asked."""
+@pytest.mark.parametrize("choice,more", [("keep", 3), ("auto", 2), ("recompute", 0)])
+def test_ops_keep_states_when_asked(monkeypatch, choice, more):
+    """A delta-rule op keeps its forward's w, h and v_new (three more saved tensors than
+    ``recompute``) when asked, and by default for short sequences w and v_new (two more)."""
     from ttr.kernels.delta import chunk_delta_rule
 
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
@@ -214,6 +215,6 @@ def test_ops_keep_states_when_asked(monkeypatch, choice):
 
     o, count = saved_by_forward()
     monkeypatch.setenv("TTR_CHUNK_STATES", "recompute")
-    assert count - saved_by_forward()[1] == (3 if choice == "keep" else 0)
+    assert count - saved_by_forward()[1] == more
     o.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, v, beta))
