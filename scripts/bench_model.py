@@ -34,6 +34,11 @@ chunk kernels, then ``--gen-len`` tokens decoded one at a time with the recurren
 1 and 64: tokens/s and allocated memory after 1/4, 1/2 and all of the generated tokens (constant
 for recurrent layers: the state does not grow with the generated length).
 
+``--chunk-states recompute,auto`` adds the memory-against-time table of the chunk ops' choice
+(``TTR_CHUNK_STATES``): ttr's model of each preset, built once, trained by the plain loop under each
+choice in turn, the choices alternated ``--chunk-states-rounds`` times (2) so that a drift of the GPU
+falls on all of them; each row gives every round's tokens/s and the choice's peak memory.
+
 Usage: ``python -m ttr.scripts.bench_model [--presets a,b] [--no-references] [--steps 5]
 [--isolate] [--json OUT.json] [--out OUT.md]``; ``--device cpu`` runs the code paths on a CPU
 (debug presets; no measurement).
@@ -385,6 +390,43 @@ def decode_table(presets: list[str], args, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
+    """The ``--chunk-states`` table (module docstring); each measurement is appended to ``rows``."""
+    device = torch.device(args.device)
+    lines = [f"TTR_CHUNK_STATES choices, ttr's models (plain loop, B={args.batch} T={args.seq_len}), one model per "
+             f"preset, the choices alternated {args.chunk_states_rounds} times", "",
+             "| preset | TTR_CHUNK_STATES | tokens/s, each round | peak GiB |", "|---|---|---|---|"]
+    before = os.environ.get("TTR_CHUNK_STATES")
+    try:
+        for preset in presets:
+            _free()
+            model = build(preset, "ttr", device)
+            found = {c: {"preset": preset, "chunk_states": c, "tokens_per_s": [], "peak_gib": None}
+                     for c in args.chunk_state_list}
+            for _ in range(args.chunk_states_rounds):
+                for choice, row in found.items():
+                    os.environ["TTR_CHUNK_STATES"] = choice
+                    _free()
+                    r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
+                                   device)
+                    row["tokens_per_s"].append(r["tokens_per_s"])
+                    if device.type == "cuda":
+                        row["peak_gib"] = max(row["peak_gib"] or 0.0, torch.cuda.max_memory_allocated(device) / GIB)
+            for row in found.values():
+                rows.append(row)
+                peak = "" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
+                lines.append(f"| {preset} | {row['chunk_states']} | "
+                             + " / ".join(f"{t:,.0f}" for t in row["tokens_per_s"]) + f" | {peak} |")
+                print(lines[-1], flush=True)
+            del model
+    finally:
+        if before is None:
+            os.environ.pop("TTR_CHUNK_STATES", None)
+        else:
+            os.environ["TTR_CHUNK_STATES"] = before
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="bench_model", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=None, help=f"comma-separated presets (default: every {SIZE} preset)")
@@ -406,6 +448,11 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--decode", action=argparse.BooleanOptionalAction, default=False,
                         help="the decoding table of ttr's models (default: no)")
     parser.add_argument("--decode-batches", default="1,64")
+    parser.add_argument("--chunk-states", default=None, metavar="CHOICES",
+                        help="comma-separated TTR_CHUNK_STATES values: the table of ttr's models under each "
+                             "(default: none)")
+    parser.add_argument("--chunk-states-rounds", type=int, default=2,
+                        help="--chunk-states: how many times the choices alternate (default: 2)")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--gen-len", type=int, default=512)
     parser.add_argument("--tokenizer", default="",
@@ -423,7 +470,13 @@ def parse_args(argv: list[str] | None):
     bad = [p for p in args.preset_list if p not in list_presets()]
     if bad:
         parser.error(f"--presets: unknown {bad}; expected some of {list_presets()}")
-    for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len"):
+    from ttr.kernels.common.index import CHUNK_STATES
+
+    args.chunk_state_list = [c.strip().lower() for c in args.chunk_states.split(",")] if args.chunk_states else []
+    bad = [c for c in args.chunk_state_list if c not in CHUNK_STATES]
+    if bad:
+        parser.error(f"--chunk-states: unknown {bad}; expected some of {list(CHUNK_STATES)}")
+    for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len", "chunk_states_rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile and args.loop != "plain":
@@ -452,12 +505,13 @@ def main(argv: list[str] | None = None) -> int:
     deadline = Deadline(args.time_budget)
     results: list[dict] = []
     decoded: list[dict] = []
+    chunk_rows: list[dict] = []
     tables = []
 
     def write(text: str) -> None:
         data = {"environment": env, "settings": {k: getattr(args, k) for k in (
             "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard")},
-            "fla_note": note, "rows": results, "decode": decoded}
+            "fla_note": note, "rows": results, "decode": decoded, "chunk_states": chunk_rows}
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1))
         if args.out:
@@ -487,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:
         text = decode_table(args.preset_list, args, decoded)
         tables.append(text if args.train else describe_environment(env) + "\n\n" + text)
+        print("\n" + tables[-1], flush=True)
+    if args.chunk_state_list:
+        text = chunk_states_table(args.preset_list, args, chunk_rows)
+        tables.append(text if tables else describe_environment(env) + "\n\n" + text)
         print("\n" + tables[-1], flush=True)
     write("\n\n".join(tables))
     return 0

@@ -232,6 +232,33 @@ def test_bench_model_smoke_on_cpu(tmp_path):
     assert row["batch"] == 2 and row["tokens_per_s"] > 0 and list(row["memory_gib"]) == ["1", "2", "4"]
 
 
+def test_bench_model_chunk_states_table(monkeypatch, tmp_path, capsys):
+    """``--chunk-states``: one row per choice with every round's tokens/s, TTR_CHUNK_STATES set for
+    each run and restored after; an unknown choice is refused by name."""
+    out = tmp_path / "c.json"
+    seen = []
+    real_loop = bench_model.plain_loop
+
+    def loop(*a, **k):
+        seen.append(os.environ.get("TTR_CHUNK_STATES"))
+        return real_loop(*a, **k)
+
+    monkeypatch.setattr(bench_model, "plain_loop", loop)
+    monkeypatch.setenv("TTR_CHUNK_STATES", "keep")
+    assert bench_model.main(["--device", "cpu", "--presets", "delta_net-debug", "--no-train", "--chunk-states",
+                             "recompute,auto", "--batch", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
+                             "--json", str(out), "--out", str(tmp_path / "c.md")]) == 0
+    assert seen == ["recompute", "auto", "recompute", "auto"] and os.environ["TTR_CHUNK_STATES"] == "keep"
+    rows = json.loads(out.read_text())["chunk_states"]
+    assert [(r["preset"], r["chunk_states"]) for r in rows] == [("delta_net-debug", "recompute"),
+                                                                ("delta_net-debug", "auto")]
+    assert all(len(r["tokens_per_s"]) == 2 and min(r["tokens_per_s"]) > 0 for r in rows)
+    assert "| delta_net-debug | auto | " in (tmp_path / "c.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--device", "cpu", "--chunk-states", "auto,always"])
+    assert "--chunk-states: unknown ['always']" in capsys.readouterr().err
+
+
 def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
     """Out of memory and a failed subprocess become rows; models past the time budget are skipped."""
     def oom(*a, **k):
