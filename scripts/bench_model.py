@@ -401,22 +401,30 @@ def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
         for preset in presets:
             _free()
             model = build(preset, "ttr", device)
-            found = {c: {"preset": preset, "chunk_states": c, "tokens_per_s": [], "peak_gib": None}
+            found = {c: {"preset": preset, "chunk_states": c, "status": "ok", "tokens_per_s": [], "peak_gib": None}
                      for c in args.chunk_state_list}
             for _ in range(args.chunk_states_rounds):
                 for choice, row in found.items():
+                    if row["status"] != "ok":
+                        continue
                     os.environ["TTR_CHUNK_STATES"] = choice
                     _free()
-                    r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
-                                   device)
+                    try:
+                        r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps,
+                                       args.warmup, device)
+                    except torch.cuda.OutOfMemoryError as e:  # this choice does not fit; the others still run
+                        row.update(status="oom", error=str(e).splitlines()[0][:300])
+                        continue
                     row["tokens_per_s"].append(r["tokens_per_s"])
                     if device.type == "cuda":
                         row["peak_gib"] = max(row["peak_gib"] or 0.0, torch.cuda.max_memory_allocated(device) / GIB)
             for row in found.values():
                 rows.append(row)
                 peak = "" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
-                lines.append(f"| {preset} | {row['chunk_states']} | "
-                             + " / ".join(f"{t:,.0f}" for t in row["tokens_per_s"]) + f" | {peak} |")
+                speeds = " / ".join(f"{t:,.0f}" for t in row["tokens_per_s"])
+                if row["status"] == "oom":
+                    speeds = (speeds + " / " if speeds else "") + "out of memory"
+                lines.append(f"| {preset} | {row['chunk_states']} | {speeds} | {peak} |")
                 print(lines[-1], flush=True)
             del model
     finally:

@@ -257,6 +257,20 @@ def test_bench_model_chunk_states_table(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_model.parse_args(["--device", "cpu", "--chunk-states", "auto,always"])
     assert "--chunk-states: unknown ['always']" in capsys.readouterr().err
+    # a choice that runs out of memory is a row; the other choices still run
+    def oom_when_kept(*a, **k):
+        if os.environ["TTR_CHUNK_STATES"] == "keep":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real_loop(*a, **k)
+
+    monkeypatch.setattr(bench_model, "plain_loop", oom_when_kept)
+    args = bench_model.parse_args(["--device", "cpu", "--presets", "delta_net-debug", "--chunk-states", "keep,auto",
+                                   "--batch", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0"])
+    rows = []
+    table = bench_model.chunk_states_table(args.preset_list, args, rows)
+    assert [(r["chunk_states"], r["status"], len(r["tokens_per_s"])) for r in rows] == [("keep", "oom", 0),
+                                                                                      ("auto", "ok", 2)]
+    assert "| delta_net-debug | keep | out of memory |" in table
 
 
 def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
