@@ -340,7 +340,7 @@ def test_gpu_chunk_equals_recurrent_decoding(monkeypatch, op, dtype, D):
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_chunk_states_choices_agree(monkeypatch, op, dtype):
-    """On the GPU, in bf16 at the presets' head shape: the three ``TTR_CHUNK_STATES`` choices give
+    """On the GPU, in bf16 and fp32 at the presets' head shape: the three ``TTR_CHUNK_STATES`` choices give
     the same outputs, and gradients equal to within a tenth of the oracle tolerance (the walks
     with and without w run on different launches)."""
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
