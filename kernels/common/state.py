@@ -120,7 +120,8 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_off
                 b_v -= tl.dot(b_w2, b_h2.to(b_w2.dtype))
             _store_half(v_new + (bos * H + i_h) * V, b_v, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
             # the update reads v_new as stored (rounded to its dtype), so that a backward that
-            # keeps v_new and walks the chunks again without w forms exactly these states
+            # keeps v_new and walks the chunks again without w forms these states from the same
+            # operands (bit for bit where its launch sums the products in the same order)
             b_v = b_v.to(v_new.dtype.element_ty).to(tl.float32)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T

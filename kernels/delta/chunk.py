@@ -11,7 +11,7 @@ size of k and v. When the sequences average at least ``index.KEEP_STATES_MIN_CHU
 with ``keep``) the forward keeps all three. Otherwise, by default, it keeps w and v_new and the
 backward walks the chunks again without w: with v_new given, the state update needs neither the
 WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
-reads v_new as stored, so the states come out the same). ``recompute`` keeps none of them: the
+reads v_new as stored, so both walks form the states from the same operands). ``recompute`` keeps none of them: the
 backward forms w and u again from the kept inverse and runs the full state pass, the least memory.
 """
 
