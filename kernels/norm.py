@@ -43,6 +43,7 @@ import triton.language as tl
 from ttr.kernels.common.index import tuned
 from ttr.kernels.utils import (
     bias_grad,
+    cast_linear,
     check_dtype,
     check_like,
     check_projection,
@@ -275,9 +276,7 @@ class _NormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, z2, weight, eps, gate_first, groups, proj_weight, proj_bias):
         y, rstd, _ = _triton_fwd(x2, z2, weight, eps, None, gate_first, groups)
-        pw = proj_weight.to(y.dtype)
-        pb = proj_bias.to(y.dtype) if proj_bias is not None else None
-        out = torch.nn.functional.linear(y.view(-1, pw.shape[1]), pw, pb)
+        out, pw = cast_linear(y.view(-1, proj_weight.shape[1]), proj_weight, proj_bias)
         ctx.save_for_backward(x2, z2, weight, rstd, pw)
         ctx.gate_first = gate_first
         ctx.dtypes = proj_weight.dtype, (proj_bias.dtype if proj_bias is not None else None)
@@ -542,8 +541,7 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
     lead = x.shape[:-2] if heads else x.shape[:-1]
     if kernel_backend(x) == "torch":
         y = _torch_norm(x, z, weight, eps, None, norm_before_gate, groups).reshape(*lead, f)
-        pb = proj_bias.to(y.dtype) if proj_bias is not None else None
-        return torch.nn.functional.linear(y, proj_weight.to(y.dtype), pb)
+        return cast_linear(y, proj_weight, proj_bias)[0]
     x2 = x.reshape(-1, d).contiguous()
     z2 = _rows(z, d) if z is not None else None
     out = _NormLinearFunction.apply(x2, z2, weight.contiguous(), float(eps), z is not None and not norm_before_gate,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ttr.kernels.utils import (
     bias_grad,
+    cast_linear,
     check_dtype,
     check_like,
     check_projection,
@@ -123,9 +124,8 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias, triton_path):
         gate, up = gate.contiguous(), up.contiguous()
-        w = weight.to(gate.dtype)
         y = _swiglu_fwd(gate, up) if triton_path else torch.nn.functional.silu(gate) * up
-        out = torch.nn.functional.linear(y, w, bias.to(gate.dtype) if bias is not None else None)
+        out, w = cast_linear(y, weight, bias)
         ctx.save_for_backward(gate, up, w)
         ctx.triton_path = triton_path
         ctx.dtypes = weight.dtype, (bias.dtype if bias is not None else None)

@@ -149,6 +149,14 @@ def check_head_dim(name: str, d: int) -> None:
         raise ValueError(f"{name} head dim {d} exceeds the supported maximum {MAX_HEAD_DIM}")
 
 
+def cast_linear(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``(F.linear(y, w, b), w)`` with ``w`` and ``b`` the weight and bias cast to y's dtype (the
+    cast autocast would make): a fused op's projection, which keeps ``w`` for its backward and
+    returns the gradients in the parameters' own dtypes (``weight_grad``, ``bias_grad``)."""
+    w = weight.to(y.dtype)
+    return torch.nn.functional.linear(y, w, None if bias is None else bias.to(y.dtype)), w
+
+
 def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``g^T x`` in the parameter's ``dtype``, from the fp32 accumulator of the product: under
     autocast (bf16 operands, fp32 weights) cuBLAS writes fp32 directly, where ``F.linear``'s

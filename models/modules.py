@@ -163,7 +163,7 @@ class SwiGLU(nn.Module):
         down = self.down_proj
         if _fusable(down, gate):  # the product is not kept for the down projection's backward
             return swiglu_linear(gate, up, down.weight, down.bias)
-        return down(swiglu(gate, up))
+        return linear(swiglu(gate, up), down)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
