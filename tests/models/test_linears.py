@@ -4,12 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from ttr.models.modules import SwiGLU, linear, linears
+from ttr.models.modules import NARROW_MAP, SwiGLU, linear, linears
 
 
 def _maps(bias):
+    """Two narrow maps (one product of their stacked weights) and a wide one (a product of its own)."""
     torch.manual_seed(0)
-    return [nn.Linear(24, n, bias=bias) for n in (16, 3, 40)]
+    return [nn.Linear(24, n, bias=bias) for n in (16, 3, NARROW_MAP + 16)]
 
 
 def _grads(mods, x, fn, used=(0, 1, 2)):
@@ -34,19 +35,20 @@ def shared(x, mods):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0, 2), (1,)])
 def test_linears_equal_separate_projections(bias, used):
-    """Outputs and every gradient (input, weights, biases) as the modules called one by one, also
-    when some outputs get no gradient."""
+    """Outputs and every gradient (input, weights, biases) as the modules called one by one, to
+    fp32 rounding (the narrow maps' product sums in its own order), also when some outputs get
+    no gradient."""
     mods = _maps(bias)
     x = torch.randn(2, 5, 24)
     outs_a, grads_a = _grads(mods, x, separate, used)
     outs_b, grads_b = _grads(mods, x, shared, used)
     for a, b in zip(outs_a, outs_b):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads_a, grads_b):
         if a is None:
             assert b is None
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        else:  # dx sums its products in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_linears_under_autocast():
@@ -60,9 +62,12 @@ def test_linears_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs_a, grads_a = _grads(mods, x, separate)
         outs_b, grads_b = _grads(mods, x, shared)
-    for a, b in zip(outs_a, outs_b):
+    for a, b in zip(outs_a[2:], outs_b[2:]):  # the wide map: F.linear itself
         assert b.dtype == torch.bfloat16
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stacked = torch.cat([m.weight for m in mods[:2]]).to(torch.bfloat16)
+    narrow = nn.functional.linear(x.to(torch.bfloat16), stacked, torch.cat([m.bias for m in mods[:2]]).to(torch.bfloat16))
+    torch.testing.assert_close(torch.cat(outs_b[:2], -1), narrow, rtol=0, atol=0)
     dx_a, dx_b = grads_a[0], grads_b[0]
     assert dx_a.dtype == dx_b.dtype
     assert (dx_a - dx_b).abs().max() <= 2**-7 * dx_a.abs().max()
@@ -122,7 +127,7 @@ def test_linears_fp32_weight_grads_on_cuda(n):
     (``torch.mm(..., out_dtype=float32)``): the float64 product of the bf16 operands to fp32
     accuracy, also through transposed operands and a bias."""
     torch.manual_seed(0)
-    mods = [nn.Linear(256, 64 * (i + 1), bias=i == 1).cuda() for i in range(n)]
+    mods = [nn.Linear(256, (16, 128, 8)[i], bias=i == 1).cuda() for i in range(n)]
     x = torch.randn(4, 96, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         outs, grads = _grads(mods, x, shared, used=tuple(range(n)))
@@ -136,6 +141,36 @@ def test_linears_fp32_weight_grads_on_cuda(n):
     for got, ref in zip(grads[1:], expected):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-4)
+
+
+def test_narrow_maps_share_one_product():
+    """The narrow maps' outputs are columns of one product; in the backward their input gradient
+    is the first product (written, not added), the wide maps' add into it, and each of the
+    products forms the weights' gradients of its maps once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm_, torch.ops.aten.addmm):
+                self.seen.append((func.overloadpacket.__name__, tuple(args[-1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    mods = _maps(False)
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    outs = linears(x, *mods)
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+    assert outs[2].untyped_storage().data_ptr() != outs[0].untyped_storage().data_ptr()
+    loss = sum((o * (i + 1)).sin().sum() for i, o in enumerate(outs))
+    with Products() as mode:
+        loss.backward()
+    wide = NARROW_MAP + 16
+    assert mode.seen[0] == ("mm", (19, 24))  # dx = g_narrow W_narrow
+    assert ("addmm_", (wide, 24)) in mode.seen  # dx += g_wide W_wide
+    assert sorted(s for _, s in mode.seen if s[0] == 10) == [(10, 24), (10, 24)]  # one dW per product
 
 
 @pytest.mark.parametrize("autocast", [False, True])
