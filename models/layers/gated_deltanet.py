@@ -15,10 +15,10 @@ Per head: ``S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T``, ``o_t = S_t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ttr.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ttr.kernels.gated_delta.gate import gated_delta_gate
 
 from ..modules import GatedRMSNorm, init_time_step_bias, mask_tokens
 from .linear import LinearMixer
@@ -53,12 +53,10 @@ class GatedDeltaNet(LinearMixer):
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
-        # fp32: in bf16 a beta near 1 rounds to 1 - 2^-8 or 1, and the sigmoid's backward, which
-        # scales the gradient by beta (1 - beta), then gets 1 - beta off by up to 100 %
-        beta = torch.sigmoid(p["b_proj"].float())
-        if self.config.allow_neg_eigval:
-            beta = 2 * beta
-        g = -self.A_log.float().exp() * F.softplus(p["a_proj"].float() + self.dt_bias.float())
+        # fp32 gates: in bf16 a beta near 1 rounds to 1 - 2^-8 or 1, and the sigmoid's backward,
+        # which scales the gradient by beta (1 - beta), then gets 1 - beta off by up to 100 %
+        g, beta = gated_delta_gate(p["a_proj"], p["b_proj"], self.A_log, self.dt_bias,
+                                   2.0 if self.config.allow_neg_eigval else 1.0)
         k, v, beta, g = mask_tokens(mask, k, v, beta, g)
         o = self.run_kernel(chunk_gated_delta_rule, recurrent_gated_delta_rule, q, k, v, g, beta,
                             layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
