@@ -20,7 +20,9 @@ rewritten after every model, so a run killed from outside keeps what it measured
 ``--profile`` (plain loop) also runs one more step under ``torch.profiler`` and splits its GPU time
 by kind of work: matrix products, each library's mixer op, norms, short convs, loss, attention,
 PyTorch's elementwise kernels, the optimizer, and the time no kernel ran; the JSON keeps the
-longest kernels too.
+longest kernels too. A second profiled step records the host's ops with their input shapes and
+gives the matrix products by op and shape with their TFLOP/s: a narrow map (few outputs per
+token) shows there as a product far below the GPU's rate, bound by reading its input.
 
 ``--loop trainer`` drives the models with ttr's trainer instead (``configs/PRESET.toml``'s
 optimizer, packed documents of the embedded corpus with ``cu_seqlens``, accelerate; tokens/s the
@@ -66,6 +68,7 @@ from ttr.scripts.bench_utils import (
     fla_guard_note,
     kernel_times,
     lift_fla_guard,
+    product_shapes,
     step_breakdown,
     time_ms,
     triton_kernel_kinds,
@@ -161,7 +164,9 @@ def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: 
 
 def profile_step(step, device) -> dict:
     """One more ``step`` under ``torch.profiler``: its GPU time by kind of work (``step_breakdown``)
-    and its 25 longest kernels."""
+    and its 25 longest kernels; then one more with the host's ops and their input shapes recorded,
+    for the matrix products by shape (``product_shapes``). The first step records the GPU alone,
+    so the host's recording does not widen its gaps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -174,8 +179,12 @@ def profile_step(step, device) -> dict:
         sync()
         wall = (time.perf_counter() - start) * 1e3
     kernels = kernel_times(prof)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_profile(activities=activities, record_shapes=True) as shaped:
+        step()
+        sync()
     return {"profile": {"step_ms": wall, "kinds": step_breakdown(kernels, wall, triton_kernel_kinds()),
-                        "kernels": kernels[:25]}}
+                        "kernels": kernels[:25], "products": product_shapes(shaped, on_gpu)}}
 
 
 def breakdown_table(results: list[dict]) -> str:
@@ -188,6 +197,12 @@ def breakdown_table(results: list[dict]) -> str:
         blocks += [f"{r['preset']}, {r.get('model', r['impl'])}: one profiled step, {prof['step_ms']:.1f} ms", "",
                    "| kind of work | ms per step | share |", "|---|---|---|"]
         blocks += [f"| {kind} | {ms:.1f} | {100 * share:.1f} % |" for kind, ms, share in prof["kinds"]] + [""]
+        products = prof.get("products") or []
+        if products:
+            blocks += ["Its matrix products by shape (the next step, its host ops recorded; the 12 longest):", "",
+                       "| op | M x K x N | calls | ms | TFLOP/s |", "|---|---|---|---|---|"]
+            blocks += [f"| {r['op']} | {r['m']} x {r['k']} x {r['n']} | {r['calls']} | {r['ms']:.2f} | {r['tflops']:.0f} |"
+                       for r in products[:12]] + [""]
     return "\n".join(blocks)
 
 

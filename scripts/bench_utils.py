@@ -59,6 +59,33 @@ def kernel_times(prof, calls: int = 1) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: -k[2])
 
 
+# The ATen ops that run a matrix product, and where their operands' shapes sit among the inputs
+# (mm: a, b; addmm / addmm_: c, a, b).
+PRODUCT_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1}
+
+
+def product_shapes(prof, on_gpu: bool) -> list[dict]:
+    """The matrix products of a ``torch.profiler`` run recorded with ``record_shapes``, by op and
+    ``M x K x N``: calls, ms (the op's own GPU time, or host time on a CPU) and TFLOP/s, longest
+    first. A product that adds into its output (``addmm_``) counts as its own op: it also reads
+    the output."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in PRODUCT_OPS:
+            continue
+        shapes = [s for s in e.input_shapes if isinstance(s, list) and len(s) == 2]
+        first = PRODUCT_OPS[e.key] if len(shapes) > 2 else 0
+        if len(shapes) < first + 2:
+            continue
+        (m, k), (_, n) = shapes[first], shapes[first + 1]
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        rows.append({"op": e.key.removeprefix("aten::"), "m": m, "k": k, "n": n, "calls": e.count, "ms": us / 1e3,
+                     "tflops": 2 * m * k * n * e.count / (us * 1e-6) / 1e12})
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
 # Triton kernels by the module that defines them (ttr.kernels.*, and the references' fla.* and
 # mamba_ssm.*): the first pattern the module's name matches; the rest of those modules are the
 # sequence mixers' chunkwise ops.

@@ -432,7 +432,14 @@ def test_bench_model_profile_on_cpu(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     prof = row["profile"]
     assert prof["step_ms"] > 0 and prof["kinds"][-1][0] == "no kernel running"
-    assert "gla-debug, ttr TTRForCausalLM: one profiled step" in capsys.readouterr().out
+    # the step's products by shape: the LM head's [tokens, hidden] x [hidden, vocab] among them
+    # (gla-debug: hidden 64, vocab 8192)
+    heads = [r for r in prof["products"] if r["op"] == "mm" and (r["m"], r["k"], r["n"]) == (16, 64, 8192)]
+    assert heads and heads[0]["calls"] >= 1 and heads[0]["tflops"] > 0
+    assert all(r["ms"] > 0 and r["op"] in ("mm", "addmm", "addmm_") for r in prof["products"])
+    out = capsys.readouterr().out
+    assert "gla-debug, ttr TTRForCausalLM: one profiled step" in out
+    assert "Its matrix products by shape" in out
     with pytest.raises(SystemExit):
         bench_model.parse_args(["--device", "cpu", "--profile", "--loop", "trainer"])
     assert "--profile: profiles the plain loop only" in capsys.readouterr().err
