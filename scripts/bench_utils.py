@@ -59,8 +59,9 @@ def kernel_times(prof, calls: int = 1) -> list[tuple[str, float, float]]:
     return sorted(kernels, key=lambda k: -k[2])
 
 
-# The ATen ops that run a matrix product, and where their operands' shapes sit among the inputs
-# (mm: a, b; addmm / addmm_: c, a, b).
+# The ATen ops that run a matrix product, and where their operands sit among the inputs' 2-D
+# shapes when there are more than two (mm: a, b, then an output; addmm / addmm_: c, a, b; a 1-D
+# bias does not count).
 PRODUCT_OPS = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1}
 
 
