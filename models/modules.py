@@ -21,8 +21,8 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-#: Maps at most this wide are bound by reading their input (a 32768 x 2048 bf16 x is read in
-#: about 0.03 ms; 16 outputs per row are 0.002 ms of products), not by their products.
+#: Maps at most this wide are bound by reading their input, not by their products: a 32768 x 2048
+#: bf16 x takes about 0.03 ms to read on an H200, 64 outputs per row about 0.012 ms of products.
 NARROW_MAP = 64
 
 
