@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.gla.gate import _log_sigmoid
+from ttr.kernels.gla.gate import log_sigmoid
 from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
 BLOCK_ROWS = 256
@@ -42,7 +42,7 @@ def _load(a, b, A_log, dt_bias, M, stride_a, stride_b, H: tl.constexpr, BH: tl.c
 def _gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, M, stride_a, stride_b, beta_scale, H: tl.constexpr,
                      BH: tl.constexpr, BM: tl.constexpr):
     b_A, b_z, b_b, m, o = _load(a, b, A_log, dt_bias, M, stride_a, stride_b, H, BH, BM)
-    tl.store(g + o, -_log_sigmoid(-b_z) * b_A[None, :], mask=m)  # softplus(z) = -logsigmoid(-z)
+    tl.store(g + o, -log_sigmoid(-b_z) * b_A[None, :], mask=m)  # softplus(z) = -logsigmoid(-z)
     tl.store(beta + o, beta_scale * tl.sigmoid(b_b), mask=m)
 
 
@@ -54,7 +54,7 @@ def _gate_bwd_kernel(a, b, A_log, dt_bias, dg, dbeta, da, db, dA_part, ddt_part,
     b_dbeta = tl.load(dbeta + o, mask=m, other=0.0)
     # g = A softplus(z): dg/dz = A sigmoid(z), and dg/dA_log = g (A = -exp(A_log))
     b_dz = b_dg * b_A[None, :] * tl.sigmoid(b_z)
-    b_dA = b_dg * (-_log_sigmoid(-b_z) * b_A[None, :])
+    b_dA = b_dg * (-log_sigmoid(-b_z) * b_A[None, :])
     s = tl.sigmoid(b_b)
     tl.store(da + o, b_dz.to(da.dtype.element_ty), mask=m)
     tl.store(db + o, (b_dbeta * beta_scale * s * (1.0 - s)).to(db.dtype.element_ty), mask=m)

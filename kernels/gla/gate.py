@@ -22,7 +22,7 @@ BLOCK = 2048
 
 
 @triton.jit
-def _log_sigmoid(z):
+def log_sigmoid(z):
     # min(z, 0) - log1p(e^-|z|): no overflow for either sign. log1p(x) as log(u) x / (u - 1) with
     # u = 1 + x (Goldberg's form): log(1 + x) alone loses x's digits when the gate is near 0 (z large)
     x = tl.exp(-tl.abs(z))
@@ -35,7 +35,7 @@ def _log_sigmoid(z):
 def _gate_fwd_kernel(z, g, N, inv_norm, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
-    b_g = _log_sigmoid(tl.load(z + o, mask=m, other=0.0).to(tl.float32)) * inv_norm
+    b_g = log_sigmoid(tl.load(z + o, mask=m, other=0.0).to(tl.float32)) * inv_norm
     if CLAMP:
         b_g = tl.maximum(b_g, clamp)
     tl.store(g + o, b_g, mask=m)
@@ -48,7 +48,7 @@ def _gate_bwd_kernel(z, dg, dz, N, inv_norm, clamp, CLAMP: tl.constexpr, BLOCK: 
     b_z = tl.load(z + o, mask=m, other=0.0).to(tl.float32)
     b_dz = tl.load(dg + o, mask=m, other=0.0) * tl.sigmoid(-b_z) * inv_norm
     if CLAMP:
-        b_dz = tl.where(_log_sigmoid(b_z) * inv_norm >= clamp, b_dz, 0.0)
+        b_dz = tl.where(log_sigmoid(b_z) * inv_norm >= clamp, b_dz, 0.0)
     tl.store(dz + o, b_dz.to(dz.dtype.element_ty), mask=m)
 
 
