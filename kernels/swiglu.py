@@ -112,7 +112,7 @@ class _SwiGLUTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(dy * up, gate), dy * torch.nn.functional.silu(gate)
+        return _swiglu_bwd_torch(gate, up, dy, store_y=False)[:2]
 
 
 class _SwiGLULinear(torch.autograd.Function):
