@@ -175,17 +175,23 @@ def bench_conv(args, dtype):
     conv_kernels_at_presets(dtype, args.tokens)
 
 
+def first_block(preset: str):
+    """The first block of ``preset``'s model, built on the meta device (shapes, no memory)."""
+    from ttr.models.modeling import TTRForCausalLM
+
+    with torch.device("meta"):
+        return TTRForCausalLM(get_preset(preset)).model.layers[0]
+
+
 def preset_convs(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[tuple[str, int, int, bool, int]]:
     """The short convs of the first block of each preset, read off the model built on the meta
     device: (name, channels D, per-head L2 group or 0, bias, width of the projection x is a column
     slice of); convs of one shape are one row."""
-    from ttr.models.modeling import TTRForCausalLM
     from ttr.models.modules import ShortConv
 
     found: dict[tuple, list[str]] = {}
     for preset in presets:
-        with torch.device("meta"):
-            mixer = TTRForCausalLM(get_preset(preset)).model.layers[0].mixer
+        mixer = first_block(preset).mixer
         # a mixer with one input projection (Mamba2's in_proj) hands its conv a column slice of it
         proj = getattr(mixer, "in_proj", None)
         for name, conv in mixer.named_modules():
@@ -308,14 +314,11 @@ def preset_projections(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[d
     built on the meta device: the mixer's output norm before o_proj / out_proj (per-head width D,
     heads H, gated, gate first, groups, the projection's shape) and the MLP's down projection
     (its input width I and output width)."""
-    from ttr.models.modeling import TTRForCausalLM
     from ttr.models.modules import GatedRMSNorm
 
     found = []
     for preset in presets:
-        cfg = get_preset(preset)
-        with torch.device("meta"):
-            block = TTRForCausalLM(cfg).model.layers[0]
+        block = first_block(preset)
         mixer = block.mixer
         if hasattr(mixer, "o_norm"):
             norm, proj = mixer.o_norm, mixer.o_proj
@@ -335,18 +338,11 @@ def preset_projections(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[d
 
 def kept_mib(forward, inputs) -> float:
     """MiB that one call of ``forward()`` keeps for its backward, the ``inputs``' storages aside."""
-    skip = {t.untyped_storage().data_ptr() for t in inputs}
-    kept = {}
+    from ttr.scripts.activation_memory import Ledger
 
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with Ledger({t.untyped_storage().data_ptr() for t in inputs}) as ledger:
         forward()
-    return sum(kept.values()) / 2**20
+    return sum(ledger.by_site().values()) / 2**20
 
 
 def projection_calls(spec: dict, tokens: int, dtype, device=DEVICE):
