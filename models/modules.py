@@ -31,8 +31,8 @@ def _map_groups(params, n: int) -> list[list[int]]:
     of one parameter dtype share one product when there are several, each other map has its own."""
     narrow = [i for i in range(n) if params[i].shape[0] <= NARROW_MAP]
     if len(narrow) < 2 or len({params[i].dtype for i in narrow}) > 1:
-        narrow = []
-    return [narrow] * bool(narrow) + [[i] for i in range(n) if i not in narrow]
+        return [[i] for i in range(n)]
+    return [narrow] + [[i] for i in range(n) if i not in narrow]
 
 
 class _SharedInputLinear(torch.autograd.Function):

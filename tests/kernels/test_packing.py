@@ -180,8 +180,9 @@ def test_packing_moves_like_a_tensor():
 
 
 def test_chunk_states_choice(monkeypatch):
-    """``keep_states``: by default long sequences keep (``KEEP_STATES_MIN_CHUNKS``), short ones
-    recompute; ``TTR_CHUNK_STATES`` forces either; a bad value is refused by name."""
+    """``keep_states`` (whether h is kept): by default long sequences keep it
+    (``KEEP_STATES_MIN_CHUNKS``), short ones form it again; ``TTR_CHUNK_STATES`` forces either; a
+    bad value is refused by name."""
     short = prepare_chunks(None, 2, 64 * 4, device="cpu")
     long = prepare_chunks(None, 1, 64 * index.KEEP_STATES_MIN_CHUNKS, device="cpu")
     monkeypatch.delenv("TTR_CHUNK_STATES", raising=False)
