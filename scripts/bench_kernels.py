@@ -1,7 +1,8 @@
 """Kernel benchmark: ttr next to fla 0.6.0 or SDPA, forward and forward+backward (GPU).
 
 One process, bf16, 16384 tokens per batch (B x T with T in 2048 ... 16384), median ms of
-``triton.testing.do_bench``. Each row times ttr's op and its reference on the same inputs, and gives
+``triton.testing.do_bench``, timed for ttr and the reference in turn ``--rounds`` times (default 3)
+and reported as each one's median. Each row times ttr's op and its reference on the same inputs, and gives
 the peak memory of one forward+backward of each (MiB above the inputs), the worst relative RMS error
 of ttr against the reference over the output and every input gradient at the benchmark's shape,
 and ttr's worst relative RMS error against the float64 per-token oracle at a small size (B = 1,
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -345,25 +347,49 @@ def plan(shape_set: str, ops: list[str] | None, presets: list[str] | None, seqle
     return [(s, max(1, tokens // T), T) for s in shapes for T in seqlens]
 
 
-def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all") -> dict:
+def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all", rounds: int = 1) -> dict:
     """One row: times, peak memory and errors of ttr and its reference (``references``: "all",
     "sdpa" for the SDPA ones only, "none"); a failing reference leaves its cells empty and its error
-    in ``errors``."""
+    in ``errors``. With ``rounds`` > 1 both are timed again in turn, ttr then the reference, that many
+    times in all, and each time is the median of its rounds (``*_rounds_ms`` keeps them): a drift of
+    the GPU's clocks or of the host's load during the row then reaches both sides alike, where one
+    pass per side would put all of it on whichever ran in it."""
     r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
          "errors": {}}
     x, do = _inputs(row, B, T, s, device)
     wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
     impls = [("ttr", row.ttr)] + ([("ref", row.reference)] if wanted and row.reference else [])
-    outputs = {}
+    outputs, times = {}, {}
+
+    def fail(label, e):  # a failing reference must not hide ttr's numbers, nor ttr's the reference's
+        r["errors"][label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        print(f"{s.op} {s.label()} {label} B={B} T={T}: {r['errors'][label]}", file=sys.stderr, flush=True)
+
+    def time_both(label, fn, x, do):
+        times.setdefault(label, ([], []))
+        times[label][0].append(_bench(fn, x, do, False, device))
+        times[label][1].append(_bench(fn, x, do, True, device))
+
     for label, fn in impls:
         try:
-            r[f"{label}_fwd_ms"] = _bench(fn, x, do, False, device)
-            r[f"{label}_fwd_bwd_ms"] = _bench(fn, x, do, True, device)
+            time_both(label, fn, x, do)
             r[f"{label}_peak_mib"] = _peak(fn, x, do)
             outputs[label] = _outputs(fn, x, do)
-        except Exception as e:  # a failing reference must not hide ttr's numbers, nor ttr's the reference's
-            r["errors"][label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            print(f"{s.op} {s.label()} {label} B={B} T={T}: {r['errors'][label]}", file=sys.stderr, flush=True)
+        except Exception as e:
+            fail(label, e)
+            times.pop(label, None)
+    for _ in range(rounds - 1):
+        for label, fn in impls:
+            if label in times:
+                try:
+                    time_both(label, fn, x, do)
+                except Exception as e:
+                    fail(label, e)
+                    times.pop(label)
+    for label, (fwd, fwd_bwd) in times.items():
+        r[f"{label}_fwd_ms"], r[f"{label}_fwd_bwd_ms"] = statistics.median(fwd), statistics.median(fwd_bwd)
+        if rounds > 1:
+            r[f"{label}_fwd_rounds_ms"], r[f"{label}_fwd_bwd_rounds_ms"] = fwd, fwd_bwd
     if len(outputs) == 2:
         r["rel_err_vs_ref"] = max_rel_error(outputs["ttr"], outputs["ref"])
     del outputs, x, do
@@ -387,16 +413,19 @@ def format_row(r: dict) -> str:
 
 
 def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all", oracle: bool = True,
-        fla_note: str | None = None, budget: float | None = None, write: Callable | None = None) -> tuple[str, dict]:
+        fla_note: str | None = None, budget: float | None = None, write: Callable | None = None,
+        rounds: int = 1) -> tuple[str, dict]:
     """The markdown table and its JSON of ``todo`` (from ``plan``); rows not started within ``budget``
-    seconds are listed as skipped. ``write(table, data)`` gets both after every row."""
+    seconds are listed as skipped. ``write(table, data)`` gets both after every row; ``rounds`` as in
+    ``measure``."""
     from ttr.scripts.bench_utils import Deadline, describe_environment, environment
 
     device = torch.device(device or "cuda")
     env = environment(device)
     deadline = Deadline(budget)
     table = rows()
-    timing = "median ms (do_bench)" if device.type == "cuda" else "CPU: code paths only, the times measure nothing"
+    timing = (f"median ms (do_bench){f', the median of {rounds} rounds in turn' if rounds > 1 else ''}"
+              if device.type == "cuda" else "CPU: code paths only, the times measure nothing")
     header = [
         f"{describe_environment(env)}; bf16, {timing}; peak MiB of one fwd+bwd above its inputs; "
         f"errors: worst relative RMS error over the output and every input gradient, ttr against the reference "
@@ -427,7 +456,7 @@ def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all"
             r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
                  "skipped": "not run: time budget spent"}
         else:
-            r = measure(row, s, B, T, device, references)
+            r = measure(row, s, B, T, device, references, rounds)
             key = replace(s, presets=())
             if oracle and key not in oracle_errors:
                 try:
@@ -527,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip every reference (fla and SDPA)")
     parser.add_argument("--no-oracle", action="store_true", help="skip the error against the float64 oracle")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="time ttr and the reference in turn this many times per row and report each one's "
+                             "median (default 3)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; rows not started by then are listed as skipped")
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the code paths only (no measurement)")
@@ -549,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seqlens: expected comma-separated integers, got {args.seqlens!r}")
     if any(t < 1 for t in seqlens) or args.tokens < 1:
         parser.error("--seqlens and --tokens must be positive")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
     if not todo and not (args.stages or args.profile):
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
@@ -574,9 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None
         note = fla_guard_note(lifted) if references == "all" else None
-        settings = {"shapes": args.shapes, "tokens": args.tokens}
+        settings = {"shapes": args.shapes, "tokens": args.tokens, "rounds": args.rounds}
         table, data = run(todo, device, references=references, oracle=not args.no_oracle,
-                          fla_note=note, budget=args.time_budget,
+                          fla_note=note, budget=args.time_budget, rounds=args.rounds,
                           write=lambda text, data: _write(args, text, {**data, **settings}))
         data.update(settings)
         print("\n" + table)

@@ -130,6 +130,37 @@ def test_bench_kernels_smoke_on_cpu(monkeypatch, tmp_path):
     assert len(rows) == 3 and all(r["skipped"] for r in rows)
 
 
+def test_bench_kernels_rounds_alternate_and_report_medians(monkeypatch):
+    """`--rounds`: ttr and the reference are timed in turn, and each time is the median of its rounds;
+    a reference that fails in a later round leaves ttr's numbers and its own error."""
+    calls, ticks = [], iter(range(100))
+
+    def fake_bench(fn, x, do, backward, device):
+        calls.append((fn.__name__, backward))
+        if fn.__name__ == "ref" and len(calls) > 8:
+            raise RuntimeError("out of memory")
+        return float(next(ticks))
+
+    def ttr(**x):
+        return x["a"]
+
+    def ref(**x):
+        return x["a"]
+
+    row = bench_kernels.Row(ttr, ref, "the reference", lambda B, T, s, dtype, device: {"a": torch.ones(B, T, s.H, s.V)},
+                            ttr)
+    monkeypatch.setattr(bench_kernels, "_bench", fake_bench)
+    monkeypatch.setattr(bench_kernels, "_peak", lambda fn, x, do: 1.0)
+    shape = bench_kernels.Shape("ssd", 2, 4, 4)
+    r = bench_kernels.measure(row, shape, 1, 8, torch.device("cpu"), rounds=3)
+    assert calls[:8] == [("ttr", False), ("ttr", True), ("ref", False), ("ref", True)] * 2
+    # ttr: three rounds (0, 1), (4, 5), (8, 9); the reference fails in its third round
+    assert r["ttr_fwd_rounds_ms"] == [0.0, 4.0, 8.0] and r["ttr_fwd_bwd_ms"] == 5.0
+    assert "ref_fwd_ms" not in r and r["errors"]["ref"] == "RuntimeError: out of memory"
+    one = bench_kernels.measure(row, shape, 1, 8, torch.device("cpu"), rounds=1)
+    assert "ttr_fwd_rounds_ms" not in one and one["ttr_fwd_ms"] >= 0
+
+
 def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
     """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
     measured, kernel table formatted (empty without CUDA)."""
