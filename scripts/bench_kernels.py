@@ -361,8 +361,10 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
     impls = [("ttr", row.ttr)] + ([("ref", row.reference)] if wanted and row.reference else [])
     outputs, times = {}, {}
 
+    from ttr.scripts.bench_utils import error_text
+
     def fail(label, e):  # a failing reference must not hide ttr's numbers, nor ttr's the reference's
-        r["errors"][label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        r["errors"][label] = error_text(e)
         print(f"{s.op} {s.label()} {label} B={B} T={T}: {r['errors'][label]}", file=sys.stderr, flush=True)
 
     def time_both(label, fn, x, do):

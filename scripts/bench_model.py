@@ -24,6 +24,12 @@ longest kernels too. A second profiled step records the host's ops with their in
 gives the matrix products by op and shape with their TFLOP/s: a narrow map (few outputs per
 token) shows there as a product far below the GPU's rate, bound by reading its input.
 
+``--rounds N`` (plain loop) builds each preset's two models side by side and trains them in turn N
+times, each round a fresh optimizer with its warm-up and timed steps; tokens/s is each model's
+median round, so a drift of the GPU's clocks during the pair falls on both. Both models' weights
+stay on the GPU meanwhile (each peak is counted above what the other holds); a pair that does not
+fit side by side is measured one after the other, and its rows say so.
+
 ``--loop trainer`` drives the models with ttr's trainer instead (``configs/PRESET.toml``'s
 optimizer, packed documents of the embedded corpus with ``cu_seqlens``, accelerate; tokens/s the
 median of the timed steps); its references are fla's models, the ones that take ``cu_seqlens``.
@@ -65,6 +71,7 @@ from ttr.scripts.bench_utils import (
     Deadline,
     describe_environment,
     environment,
+    error_text,
     fla_guard_note,
     kernel_times,
     lift_fla_guard,
@@ -301,11 +308,78 @@ def measure(preset: str, impl: str, args) -> dict:
     except torch.cuda.OutOfMemoryError as e:
         row.update(status="oom", error=str(e).splitlines()[0][:300])
     except Exception as e:  # a failed model is reported, the others still run
-        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        row.update(status="error", error=error_text(e))
     # the exception (and the tensors of its frames) is gone here, so the memory can be returned
     model = None
     _free()
     return row
+
+
+def _own_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def measure_rounds(preset: str, impls: list[str], args) -> list[dict]:
+    """``--rounds``: the models of ``preset`` (``impls``: ttr's, and its reference) built side by side
+    and trained by the plain loop in turn, ``args.rounds`` times, each round a fresh optimizer and
+    ``--warmup`` + ``--steps`` steps. A row's tokens/s and step time are the medians of its rounds
+    (``tokens_per_s_rounds``), so a drift of the GPU's clocks during the pair reaches both models;
+    its peak is the most it allocated above what the other model held. Models that do not fit side by
+    side are measured one after the other instead (``measure``), and their rows say so."""
+    import statistics
+
+    from ttr.train.metrics import peak_flops
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    facts = model_facts(preset, args.seq_len)
+    rows = {impl: {"preset": preset, "impl": impl, **facts, "status": "ok", "tokens_per_s_rounds": [],
+                   "step_ms_rounds": []} for impl in impls}
+    models = {}
+    _free()
+    for impl in impls:
+        try:
+            models[impl] = build(preset, impl, device)
+        except torch.cuda.OutOfMemoryError:
+            models.clear()
+            _free()
+            return [{**measure(preset, impl, args), "rounds": "one after the other: the models did not fit side by side"}
+                    for impl in impls]
+        except Exception as e:  # this model is reported, the other still runs
+            rows[impl].update(status="error", error=error_text(e))
+    for impl, model in models.items():
+        rows[impl].update(model=model_name(model), params=sum(p.numel() for p in model.parameters()))
+    for _ in range(args.rounds):
+        for impl, model in models.items():
+            row = rows[impl]
+            if row["status"] != "ok":
+                continue
+            _free()
+            held = torch.cuda.memory_allocated(device) - _own_bytes(model) if cuda else 0
+            try:
+                r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
+                               device)
+            except torch.cuda.OutOfMemoryError as e:
+                row.update(status="oom", error=str(e).splitlines()[0][:300])
+                continue
+            except Exception as e:
+                row.update(status="error", error=error_text(e))
+                continue
+            row["tokens_per_s_rounds"].append(r["tokens_per_s"])
+            row["step_ms_rounds"].append(r["step_ms"])
+            row.setdefault("loss_first", r["loss_first"])
+            row["loss_last"] = r["loss_last"]
+            if cuda:
+                row["peak_gib"] = max(row.get("peak_gib") or 0.0, (torch.cuda.max_memory_allocated(device) - held) / GIB)
+    models.clear()
+    _free()
+    peak = peak_flops(device)
+    for row in rows.values():
+        if row["status"] == "ok":
+            row["tokens_per_s"] = statistics.median(row["tokens_per_s_rounds"])
+            row["step_ms"] = statistics.median(row["step_ms_rounds"])
+            row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
+    return list(rows.values())
 
 
 def _child_argv(args, preset: str, impl: str, result: str) -> list[str]:
@@ -461,6 +535,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--isolate", action="store_true", help="each model in its own process")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="plain loop: build each preset's models side by side and train them in turn this "
+                             "many times, reporting each one's median (default 1: one model after the other)")
     parser.add_argument("--profile", action="store_true",
                         help="plain loop: also one profiled step per model, its GPU time by kind of work")
     parser.add_argument("--time-budget", type=float, default=None,
@@ -504,6 +581,11 @@ def parse_args(argv: list[str] | None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile and args.loop != "plain":
         parser.error("--profile: profiles the plain loop only (drop --loop trainer)")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and (args.isolate or args.loop != "plain" or args.profile):
+        parser.error("--rounds: alternates the plain loop's models in one process (drop --isolate, --loop trainer "
+                     "and --profile)")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -521,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = environment(device)
     timing = "median step, CUDA events" if device.type == "cuda" else "CPU: code paths only, nothing is measured"
+    if args.rounds > 1:
+        timing += f"; each preset's models side by side, trained in turn {args.rounds} times, the median round"
     header = [describe_environment(env), "",
               f"Training ({args.loop} loop), B={args.batch} T={args.seq_len}, bf16 autocast, fp32 master weights, "
               f"AdamW (fused on a GPU), {args.steps} timed steps after {args.warmup} warm-up ({timing})", ""]
@@ -533,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(text: str) -> None:
         data = {"environment": env, "settings": {k: getattr(args, k) for k in (
-            "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard")},
+            "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard", "rounds")},
             "fla_note": note, "rows": results, "decode": decoded, "chunk_states": chunk_rows}
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1))
@@ -542,12 +626,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.train:
         for preset in args.preset_list:
-            for impl in IMPLS:
-                if impl == "reference" and not args.references:
-                    continue
-                if impl == "reference" and not has_reference(preset, args.loop):
-                    continue
-                if deadline.expired():
+            impls = [i for i in IMPLS if i == "ttr" or (args.references and has_reference(preset, args.loop))]
+            if args.rounds > 1:
+                rows = ([{"preset": preset, "impl": i, "status": "skipped"} for i in impls] if deadline.expired()
+                        else measure_rounds(preset, impls, args))
+            else:
+                rows = None
+            for k, impl in enumerate(impls):
+                if rows is not None:
+                    row = rows[k]
+                elif deadline.expired():
                     row = {"preset": preset, "impl": impl, "status": "skipped"}
                 elif args.isolate:
                     left = None if deadline.end is None else max(deadline.end - time.monotonic(), 1.0)

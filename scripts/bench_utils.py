@@ -38,6 +38,12 @@ def time_ms(fn, reps, warmup, device=None):
     return statistics.median(times)
 
 
+def error_text(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line for a benchmark's row: its type and the first line of its message."""
+    message = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {message}"[:limit]
+
+
 def peak_mib(fn):
     """MiB that ``fn`` allocates above what was allocated before it (None without CUDA)."""
     if not torch.cuda.is_available():

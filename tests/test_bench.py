@@ -304,6 +304,62 @@ def test_bench_model_chunk_states_table(monkeypatch, tmp_path, capsys):
     assert "| delta_net-debug | keep | out of memory |" in table
 
 
+def test_bench_model_rounds_train_the_pair_in_turn(monkeypatch, tmp_path, capsys):
+    """``--rounds``: a preset's models built side by side and trained in turn, each row the median of
+    its rounds; a model that runs out of memory in a later round is a row, the other keeps its
+    numbers; a pair that cannot be built side by side is measured one after the other."""
+    order, speeds = [], iter([10.0, 1.0, 30.0, 3.0, 20.0, 2.0, 7.0, 5.0, 6.0])
+
+    def loop(model, *a, **k):
+        order.append(bench_model.model_name(model))
+        tokens = next(speeds)
+        return {"step_ms": 1000.0 / tokens, "tokens_per_s": tokens, "loss_first": 1.0, "loss_last": 0.5}
+
+    monkeypatch.setattr(bench_model, "plain_loop", loop)
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--batch", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0"]
+    assert bench_model.main(argv + ["--presets", "transformer-debug,gated_deltanet_h2-debug", "--rounds", "3",
+                                    "--json", str(out), "--out", str(tmp_path / "r.md")]) == 0
+    assert order == ["ttr TTRForCausalLM", "HF LlamaForCausalLM"] * 3 + ["ttr TTRForCausalLM"] * 3
+    data = json.loads(out.read_text())
+    mine, ref, h2 = data["rows"]
+    assert (mine["impl"], ref["impl"], h2["preset"]) == ("ttr", "reference", "gated_deltanet_h2-debug")
+    assert mine["tokens_per_s_rounds"] == [10.0, 30.0, 20.0] and mine["tokens_per_s"] == 20.0
+    assert ref["tokens_per_s"] == 2.0 and h2["tokens_per_s"] == 6.0 and data["settings"]["rounds"] == 3
+    assert "| HF LlamaForCausalLM | 2 |  |  | 10.00 |" in (tmp_path / "r.md").read_text()
+
+    def oom_later(model, *a, **k):
+        if order and "Llama" in bench_model.model_name(model):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        order.append(bench_model.model_name(model))
+        return {"step_ms": 1.0, "tokens_per_s": 1000.0, "loss_first": 1.0, "loss_last": 0.5}
+
+    order.clear()
+    monkeypatch.setattr(bench_model, "plain_loop", oom_later)
+    args = bench_model.parse_args(argv + ["--presets", "transformer-debug", "--rounds", "2"])
+    mine, ref = bench_model.measure_rounds("transformer-debug", ["ttr", "reference"], args)
+    assert ref["status"] == "oom" and "2.00 GiB" in ref["error"]
+    assert mine["status"] == "ok" and mine["tokens_per_s_rounds"] == [1000.0, 1000.0]
+
+    real_build = bench_model.build
+
+    def no_room(preset, impl, device):
+        if impl == "reference":  # ttr's model holds the room the reference needs
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real_build(preset, impl, device)
+
+    monkeypatch.setattr(bench_model, "build", no_room)
+    monkeypatch.setattr(bench_model, "measure", lambda preset, impl, args: {"preset": preset, "impl": impl,
+                                                                            "status": "ok"})
+    rows = bench_model.measure_rounds("transformer-debug", ["ttr", "reference"], args)
+    assert [r["impl"] for r in rows] == ["ttr", "reference"]
+    assert all(r["rounds"].startswith("one after the other") for r in rows)
+    for bad, message in ((["--rounds", "0"], "--rounds must be >= 1"), (["--rounds", "2", "--isolate"], "--rounds:")):
+        with pytest.raises(SystemExit):
+            bench_model.parse_args(argv + bad)
+        assert message in capsys.readouterr().err
+
+
 def test_bench_model_reports_oom_crashes_and_the_budget(monkeypatch, tmp_path):
     """Out of memory and a failed subprocess become rows; models past the time budget are skipped."""
     def oom(*a, **k):
