@@ -335,18 +335,21 @@ def measure_rounds(preset: str, impls: list[str], args) -> list[dict]:
     facts = model_facts(preset, args.seq_len)
     rows = {impl: {"preset": preset, "impl": impl, **facts, "status": "ok", "tokens_per_s_rounds": [],
                    "step_ms_rounds": []} for impl in impls}
-    models = {}
+    models, fits = {}, True
     _free()
     for impl in impls:
         try:
             models[impl] = build(preset, impl, device)
         except torch.cuda.OutOfMemoryError:
-            models.clear()
-            _free()
-            return [{**measure(preset, impl, args), "rounds": "one after the other: the models did not fit side by side"}
-                    for impl in impls]
+            fits = False
+            break
         except Exception as e:  # this model is reported, the other still runs
             rows[impl].update(status="error", error=error_text(e))
+    if not fits:  # outside the handler, whose frames would keep the failed build's memory
+        models.clear()
+        _free()
+        return [{**measure(preset, impl, args), "rounds": "one after the other: the models did not fit side by side"}
+                for impl in impls]
     for impl, model in models.items():
         rows[impl].update(model=model_name(model), params=sum(p.numel() for p in model.parameters()))
     for _ in range(args.rounds):
