@@ -8,7 +8,8 @@
 # Parts (PARTS, comma-separated, in this order): kernels (ttr bench --shapes preset), uniform (ttr bench
 # --shapes uniform: H=16, K=V=128), model (bench_model), decode (bench_model --decode, gated_deltanet-1.3b).
 # Settings: BUDGET_S (seconds for everything, default 510: fits 9 minutes with the start-up), KERNELS_S
-# (the kernels' share, default 180), PRESETS, SEQLENS, BATCH (8), SEQ_LEN (4096), STEPS (4), WARMUP (1),
+# (the kernels' share, default 180), ROUNDS (3: the kernel rows' turns of ttr and its reference), PRESETS,
+# SEQLENS, BATCH (8), SEQ_LEN (4096), STEPS (4), WARMUP (1),
 # REFERENCES (1), ISOLATE (0; 1: each model in its own process), LIFT_FLA_GUARD (1: fla 0.6.0's gated
 # backward runs on Hopper with Triton < 3.7.1 for timing only, fla issue #640, and the tables say so),
 # DRY_RUN (1: print the commands only). Each part stops starting rows when its share is spent and lists
@@ -19,6 +20,7 @@ OUT=${OUT:-/tmp/ttr_out}
 PARTS=${PARTS:-kernels,model}
 BUDGET_S=${BUDGET_S:-510}
 KERNELS_S=${KERNELS_S:-180}
+ROUNDS=${ROUNDS:-3}
 PRESETS=${PRESETS:-}
 SEQLENS=${SEQLENS:-2048,4096,8192,16384}
 BATCH=${BATCH:-8} SEQ_LEN=${SEQ_LEN:-4096} STEPS=${STEPS:-4} WARMUP=${WARMUP:-1}
@@ -63,13 +65,14 @@ for p in ${PARTS//,/ }; do
         ttr_secs=$((secs / 3))
         # shellcheck disable=SC2086
         part "$p-ttr" "$ttr_secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" \
-          --no-reference --time-budget $((ttr_secs - 20)) --out "$OUT/$p-ttr.md" --json "$OUT/$p-ttr.json"
+          --no-reference --rounds 1 --time-budget $((ttr_secs - 20)) --out "$OUT/$p-ttr.md" --json "$OUT/$p-ttr.json"
         secs=$((secs - ttr_secs))
       fi
-      refs=""; [ "$REFERENCES" = 1 ] || refs=--no-reference
+      # the turns are between ttr and its reference: without references one round
+      refs=""; rounds=$ROUNDS; [ "$REFERENCES" = 1 ] || { refs=--no-reference; rounds=1; }
       # shellcheck disable=SC2086
       part "$p" "$secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" $refs $guard \
-        --time-budget $((secs - 30)) --out "$OUT/$p.md" --json "$OUT/$p.json"
+        --rounds "$rounds" --time-budget $((secs - 30)) --out "$OUT/$p.md" --json "$OUT/$p.json"
       ;;
     model)
       secs=$(left)

@@ -393,15 +393,16 @@ def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
     out = run().stdout.splitlines()
     # ttr's rows alone first, in a third of the kernels' share, then with the references
     assert out[0].startswith("== kernels-ttr (60 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
-                             "2048,4096,8192,16384 --no-reference --time-budget 40 ")
+                             "2048,4096,8192,16384 --no-reference --rounds 1 --time-budget 40 ")
     assert out[1].startswith("== kernels (120 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
-                             "2048,4096,8192,16384 --lift-fla-guard --time-budget 90 ")
+                             "2048,4096,8192,16384 --lift-fla-guard --rounds 3 --time-budget 90 ")
     assert out[2].startswith("== model (510 s): ttr.scripts.bench_model --references --lift-fla-guard --batch 8 "
                              "--seq-len 4096 --steps 4 --warmup 1 --time-budget 450 ")
     out = run(PARTS="model", PRESETS="gla-1.3b", REFERENCES="0", ISOLATE="1", BUDGET_S="300").stdout
     assert "bench_model --presets gla-1.3b --no-references --isolate --batch 8" in out
     out = run(PARTS="kernels", REFERENCES="0").stdout
-    assert "kernels-ttr" not in out and "--no-reference --time-budget 150" in out
+    assert "kernels-ttr" not in out and "--no-reference --rounds 1 --time-budget 150" in out
+    assert "--rounds 5 " in run(PARTS="kernels", ROUNDS="5").stdout
     bad = run(PARTS="kernels,bogus")
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
 
