@@ -283,6 +283,14 @@ def _free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def failed(row: dict, e: BaseException) -> None:
+    """A model's failure as its row's status: ``oom`` with the allocator's first line, or ``error``."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        row.update(status="oom", error=(str(e).splitlines() or [""])[0][:300])
+    else:
+        row.update(status="error", error=error_text(e))
+
+
 def measure(preset: str, impl: str, args) -> dict:
     """One model's row; out of memory and other failures become its status."""
     from ttr.train.metrics import peak_flops
@@ -305,10 +313,8 @@ def measure(preset: str, impl: str, args) -> dict:
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         peak = peak_flops(device)
         row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
-    except torch.cuda.OutOfMemoryError as e:
-        row.update(status="oom", error=str(e).splitlines()[0][:300])
-    except Exception as e:  # a failed model is reported, the others still run
-        row.update(status="error", error=error_text(e))
+    except Exception as e:  # a failed model (out of memory included) is reported, the others still run
+        failed(row, e)
     # the exception (and the tensors of its frames) is gone here, so the memory can be returned
     model = None
     _free()
@@ -344,7 +350,7 @@ def measure_rounds(preset: str, impls: list[str], args) -> list[dict]:
             fits = False
             break
         except Exception as e:  # this model is reported, the other still runs
-            rows[impl].update(status="error", error=error_text(e))
+            failed(rows[impl], e)
     if not fits:  # outside the handler, whose frames would keep the failed build's memory
         models.clear()
         _free()
@@ -362,11 +368,8 @@ def measure_rounds(preset: str, impls: list[str], args) -> list[dict]:
             try:
                 r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps, args.warmup,
                                device)
-            except torch.cuda.OutOfMemoryError as e:
-                row.update(status="oom", error=str(e).splitlines()[0][:300])
-                continue
             except Exception as e:
-                row.update(status="error", error=error_text(e))
+                failed(row, e)
                 continue
             row["tokens_per_s_rounds"].append(r["tokens_per_s"])
             row["step_ms_rounds"].append(r["step_ms"])
@@ -505,7 +508,7 @@ def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
                         r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps,
                                        args.warmup, device)
                     except torch.cuda.OutOfMemoryError as e:  # this choice does not fit; the others still run
-                        row.update(status="oom", error=str(e).splitlines()[0][:300])
+                        failed(row, e)
                         continue
                     row["tokens_per_s"].append(r["tokens_per_s"])
                     if device.type == "cuda":
