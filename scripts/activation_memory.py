@@ -5,7 +5,8 @@ training peak it predicts; with ``--cuda``, the peak measured on the GPU.
     python -m ttr.scripts.activation_memory PRESET --cuda [--batch 8] [--seq-len 4096] [--steps 2]
 
 Ledger (default, CPU): one block of every layer type in the preset runs its forward on ``N`` and
-on ``2N`` packed tokens of input that requires grad, as the model's residual stream does, under
+on ``2N`` packed tokens (two documents of whole 64-token chunks, so that what a kernel keeps per
+chunk counts per token) of input that requires grad, as the model's residual stream does, under
 autocast: fp16 on the CPU (bf16's bytes; the Triton interpreter cannot load bf16), with the Triton
 kernels under the interpreter (the script sets ``TTR_KERNEL_BACKEND=triton`` and starts itself
 again with ``TRITON_INTERPRET=1`` when that is unset). ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor the graph keeps; each
@@ -222,12 +223,17 @@ def train_step_peak(preset: str, batch: int, seq_len: int, steps: int = 2) -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("preset")
-    ap.add_argument("--tokens", type=int, default=64, help="ledger length N (also runs 2N), a multiple of 64")
+    ap.add_argument("--tokens", type=int, default=128,
+                    help="ledger length N (also runs 2N), a multiple of 128: two documents of whole chunks")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--cuda", action="store_true", help="ledger in bf16 on the GPU, then --steps training steps")
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.tokens <= 0 or args.tokens % 128:
+        # each document must be whole 64-token chunks at both lengths, or what a kernel keeps per
+        # chunk (SSD's C B^T, the delta rules' chunk inverse) lands in the fixed part
+        ap.error(f"--tokens must be a positive multiple of 128, got {args.tokens}")
     if args.cuda:
         if not torch.cuda.is_available():
             raise SystemExit("--cuda needs a CUDA device")

@@ -554,3 +554,14 @@ def test_bench_fused_projection_shapes_and_calls(monkeypatch):
         torch.testing.assert_close(fused().float(), unfused().float(), rtol=2e-2, atol=2e-2)
         saved = bench_fused.kept_mib(unfused, inputs) - bench_fused.kept_mib(fused, inputs)
         assert saved * 2**20 == 32 * width * 2, spec["name"]
+
+
+@pytest.mark.parametrize("tokens", ["64", "0", "200"])
+def test_activation_memory_tokens_are_whole_chunk_documents(capsys, tokens):
+    """Two documents of whole 64-token chunks at both ledger lengths, or per-chunk tensors (SSD's
+    C B^T) would count as fixed bytes: any other --tokens is refused by name before any work."""
+    from ttr.scripts import activation_memory
+
+    with pytest.raises(SystemExit):
+        activation_memory.main(["mamba2-1.3b", "--tokens", tokens])
+    assert "--tokens must be a positive multiple of 128" in capsys.readouterr().err
