@@ -35,8 +35,11 @@ share of a fwd+bwd: casts through fp32 temporaries, ``[B, T, H, N]`` group copie
 autograd node per op.
 
 Memory: the backward keeps x, B, C, dt and the cumulative gate (fp32 like dt: 1/32 of x at P = 64
-in bf16); CB is recomputed (a ``64 x 64 x N`` product per chunk and group) rather than kept, since a
-layer's kept tensors, summed over every layer, bound the batch a GPU can train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
+in bf16), and CB (fp32, ``G * 64`` values a token: 1/32 of x's bytes at one group of 64 heads of 64
+in bf16, a quarter at 8 groups), which saves the backward a launch of the ``64 x 64 x N`` product per
+chunk and group; ``TTR_CHUNK_STATES=recompute`` forms it again instead, as it does the delta rules'
+kept tensors, since a layer's kept tensors, summed over every layer, bound the batch a GPU can
+train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
 Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
 input projection), and runs the conv again in the backward instead of keeping x, B and C.
 """
@@ -46,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import keep_states, prepare_chunks, prepare_packing
+from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks, prepare_packing
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
@@ -104,7 +107,8 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 
 def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
-    """``(y, final state, gc, h if kept else None)`` of SSD on contiguous inputs, ``y = SSD + D x``,
+    """``(y, final state, gc, h if kept else None, CB if kept else None)`` of SSD on contiguous inputs,
+    ``y = SSD + D x``,
     with ``gc`` the chunk-local cumulative gate (fp32 ``[batch, T, H]``, dt's size, which the backward
     keeps rather than summing again). The stages read B and C by group (``[batch, T, G, N]``: head
     h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are formed once per chunk and
@@ -112,14 +116,15 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
     gc = chunk_local_cumsum(dt, plan, scale=A)
     h, _, final = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                             output_final_state=output_final_state)
-    o = grouped.output_fwd(C, x, dt, h, grouped.cb_fwd(C, B, plan), gc, plan, D=D)
-    return o, final, gc, (h if keep_states(plan) else None)
+    cb = grouped.cb_fwd(C, B, plan)
+    o = grouped.output_fwd(C, x, dt, h, cb, gc, plan, D=D)
+    return o, final, gc, (h if keep_states(plan) else None), (None if chunk_states() == "recompute" else cb)
 
 
-def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht, plan):
+def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht, plan):
     """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward`` from its kept cumulative gate ``gc``;
-    ``C B^T`` is recomputed (``grouped.cb_fwd``: fp32 ``[NT, G, 64, 64]``, up to a quarter of x's size
-    with 8 groups) instead of kept, and the states when the forward did not keep them. dB and dC
+    ``C B^T`` (``grouped.cb_fwd``: fp32 ``[NT, G, 64, 64]``) and the states are formed again when the
+    forward did not keep them. dB and dC
     come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx, ddt, dA and dD from
     ``grouped.rows_bwd``."""
     do = do.contiguous()
@@ -128,7 +133,9 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht, plan):
     dht = None if dht is None else dht.contiguous()
     dh, dh0, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
     dC, dB, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
-    dx, ddt, dA, dD = grouped.rows_bwd(B, x, dt, A, D, dh, grouped.cb_fwd(C, B, plan), gc, do, terms, plan)
+    if cb is None:
+        cb = grouped.cb_fwd(C, B, plan)
+    dx, ddt, dA, dD = grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan)
     return dx, ddt, dA, dB, dC, dD, dh0
 
 
@@ -147,15 +154,15 @@ class ChunkSSDFunction(torch.autograd.Function):
         D = None if D is None else D.contiguous()
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, x.shape[0], x.shape[1], device=x.device)
-        o, final, gc, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, gc, h)
+        o, final, gc, h, cb = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, gc, h, cb)
         ctx.plan = plan
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        x, dt, A, B, C, D, initial_state, gc, h = ctx.saved_tensors
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht,
+        x, dt, A, B, C, D, initial_state, gc, h, cb = ctx.saved_tensors
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht,
                                                      ctx.plan)
         return dx, ddt, dA, dB, dC, dD, dh0, None, None
 
@@ -183,17 +190,17 @@ class ChunkConvSSDFunction(torch.autograd.Function):
         plan = prepare_chunks(packing, xbc.shape[0], xbc.shape[1], device=xbc.device)
         x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", packing), dt.shape[2], groups,
                              state_size)
-        o, final, gc, h = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
-        ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h)
+        o, final, gc, h, cb = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
+        ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h, cb)
         ctx.plan, ctx.packing, ctx.groups, ctx.state_size = plan, packing, groups, state_size
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h = ctx.saved_tensors
+        xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h, cb = ctx.saved_tensors
         x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing), dt.shape[2],
                              ctx.groups, ctx.state_size)
-        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, do, dht,
+        dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht,
                                                      ctx.plan)
         del x, B, C
         dconv = torch.cat([dx.flatten(2), dB.flatten(2), dC.flatten(2)], dim=-1)

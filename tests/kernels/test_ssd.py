@@ -197,6 +197,22 @@ def test_kept_states_match_oracle(monkeypatch, packed):
     check(chunk_ssd, reference_ssd, inputs, SSD_NAMES, h0, cu)
 
 
+def test_kept_scores_give_the_same_bits(monkeypatch):
+    """The backward from the forward's kept ``C B^T`` (``auto``) and from one formed again
+    (``TTR_CHUNK_STATES=recompute``) give the same outputs and gradients bit for bit, packed."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    lengths = [1, 63, 130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs, h0 = ssd_inputs(1, sum(lengths), 4, 2, 6, 5, h0=True, n=len(lengths))
+    results = []
+    for states in ("auto", "recompute"):
+        monkeypatch.setenv("TTR_CHUNK_STATES", states)
+        o, final, grads = run(chunk_ssd, inputs, h0, cu, upcast=False)
+        results.append([o, final, *grads])
+    for name, a, b in zip(["o", "final", *SSD_NAMES, "dh0"], *results):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("p", [5, 64, 130])
 def test_ssd_head_dims_through_fused_map(monkeypatch, p):
     """Mamba2's map inside chunk_ssd's one autograd node (``v = x dt`` and ``ddt`` in the row

@@ -38,8 +38,9 @@ def test_layer_keeps_projection_and_y(monkeypatch, groups):
         return layer(x, cu_seqlens=torch.tensor([0, 1, n], dtype=torch.int32))
 
     per_token = sum(b for b, _ in saved_per_site(run, layer.parameters(), 64).values())
-    # fp32: x, in_proj's output, y, softplus's input, dt, SSD's cumulative gate, rstd per group
-    want = 4 * (d + proj + layer.d_inner + 3 * h + groups)
+    # fp32: x, in_proj's output, y, softplus's input, dt, SSD's cumulative gate, rstd per group, and
+    # SSD's C B^T (64 per token and group)
+    want = 4 * (d + proj + layer.d_inner + 3 * h + groups + 64 * groups)
     assert per_token == want
 
 
@@ -69,12 +70,12 @@ def test_layer_triton_gradients_match_torch(monkeypatch, groups):
 def test_gpu_ledger_matches_cpu_ledger():
     """bf16 on the GPU keeps the bytes the CPU ledger (fp16 under the interpreter) counts."""
     cfg = get_preset("mamba2-1.3b")
-    per_token = sum(b for b, _ in block_ledger(cfg, 0, 64, "cuda").values())
+    per_token = sum(b for b, _ in block_ledger(cfg, 0, 128, "cuda").values())
     d, d_inner, h = cfg.hidden_size, 2 * cfg.hidden_size, cfg.mamba_num_heads
     proj = d_inner + d_inner + 2 * cfg.mamba_n_groups * cfg.mamba_state_size + h
     # residual stream fp32 (+ rstd), the pre-norm's bf16 output, in_proj's output, y, softplus's
-    # input, dt and SSD's cumulative gate (fp32), rstd per group
-    want = 4 * d + 4 + 2 * d + 2 * (proj + d_inner) + 12 * h + 4 * cfg.mamba_n_groups
+    # input, dt and SSD's cumulative gate (fp32), rstd per group, SSD's C B^T (fp32, 64 per group)
+    want = 4 * d + 4 + 2 * d + 2 * (proj + d_inner) + 12 * h + 4 * cfg.mamba_n_groups + 256 * cfg.mamba_n_groups
     assert per_token == want
 
 
