@@ -232,7 +232,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tokens <= 0 or args.tokens % 128:
         # each document must be whole 64-token chunks at both lengths, or what a kernel keeps per
-        # chunk (SSD's C B^T, the delta rules' chunk inverse) lands in the fixed part
+        # chunk (SSD's C B^T) lands in the fixed part
         ap.error(f"--tokens must be a positive multiple of 128, got {args.tokens}")
     if args.cuda:
         if not torch.cuda.is_available():

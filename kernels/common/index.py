@@ -193,9 +193,9 @@ def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
 # Shorter sequences (training batches of packed documents) recompute h; the delta rules still keep
 # w and v_new (the size of k and v), with which the backward's walk needs neither the WY stage nor
 # the ``w h`` product (``delta/chunk.py``), and SSD keeps its chunks' ``C B^T`` (``ssd/chunk.py``).
-# ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the
-# rule for every op (``recompute``: nothing kept, the least memory): a run-time choice of memory
-# against time, like the backend, never stored in a model.
+# ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the rule for every op (``recompute``: nothing
+# kept, the least memory): a run-time choice of memory against time, like the backend, never stored
+# in a model.
 KEEP_STATES_MIN_CHUNKS = 96
 CHUNK_STATES = ("auto", "keep", "recompute")
 

@@ -108,11 +108,10 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
     """``(y, final state, gc, h if kept else None, CB if kept else None)`` of SSD on contiguous inputs,
-    ``y = SSD + D x``,
-    with ``gc`` the chunk-local cumulative gate (fp32 ``[batch, T, H]``, dt's size, which the backward
-    keeps rather than summing again). The stages read B and C by group (``[batch, T, G, N]``: head
-    h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are formed once per chunk and
-    group (``grouped.cb_fwd``)."""
+    ``y = SSD + D x``, with ``gc`` the chunk-local cumulative gate (fp32 ``[batch, T, H]``, dt's size,
+    which the backward keeps rather than summing again). The stages read B and C by group
+    (``[batch, T, G, N]``: head h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are
+    formed once per chunk and group (``grouped.cb_fwd``)."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
     h, _, final = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                             output_final_state=output_final_state)
@@ -124,9 +123,8 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
 def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht, plan):
     """``(dx, ddt, dA, dB, dC, dD, dh0)`` of ``_ssd_forward`` from its kept cumulative gate ``gc``;
     ``C B^T`` (``grouped.cb_fwd``: fp32 ``[NT, G, 64, 64]``) and the states are formed again when the
-    forward did not keep them. dB and dC
-    come from ``grouped.output_bwd_dcb`` per group, in B's dtype; dx, ddt, dA and dD from
-    ``grouped.rows_bwd``."""
+    forward did not keep them. dB and dC come from ``grouped.output_bwd_dcb`` per group, in B's
+    dtype; dx, ddt, dA and dD from ``grouped.rows_bwd``."""
     do = do.contiguous()
     if h is None:
         h = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state)[0]
