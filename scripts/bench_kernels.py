@@ -353,7 +353,8 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
     in ``errors``. With ``rounds`` > 1 both are timed again in turn, ttr then the reference, that many
     times in all, and each time is the median of its rounds (``*_rounds_ms`` keeps them): a drift of
     the GPU's clocks or of the host's load during the row then reaches both sides alike, where one
-    pass per side would put all of it on whichever ran in it."""
+    pass per side would put all of it on whichever ran in it. The turns are between two sides, so a
+    row without a reference (none wanted, or it failed) is timed once."""
     r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
          "errors": {}}
     x, do = _inputs(row, B, T, s, device)
@@ -380,7 +381,7 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
         except Exception as e:
             fail(label, e)
             times.pop(label, None)
-    for _ in range(rounds - 1):
+    for _ in range(rounds - 1 if len(times) == 2 else 0):
         for label, fn in impls:
             if label in times:
                 try:
@@ -390,7 +391,7 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
                     times.pop(label)
     for label, (fwd, fwd_bwd) in times.items():
         r[f"{label}_fwd_ms"], r[f"{label}_fwd_bwd_ms"] = statistics.median(fwd), statistics.median(fwd_bwd)
-        if rounds > 1:
+        if len(fwd) > 1:
             r[f"{label}_fwd_rounds_ms"], r[f"{label}_fwd_bwd_rounds_ms"] = fwd, fwd_bwd
     if len(outputs) == 2:
         r["rel_err_vs_ref"] = max_rel_error(outputs["ttr"], outputs["ref"])

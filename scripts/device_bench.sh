@@ -8,7 +8,8 @@
 # Parts (PARTS, comma-separated, in this order): kernels (ttr bench --shapes preset), uniform (ttr bench
 # --shapes uniform: H=16, K=V=128), model (bench_model), decode (bench_model --decode, gated_deltanet-1.3b).
 # Settings: BUDGET_S (seconds for everything, default 510: fits 9 minutes with the start-up), KERNELS_S
-# (the kernels' share, default 180), ROUNDS (3: the kernel rows' turns of ttr and its reference), PRESETS,
+# (the kernels' share, default 180), ROUNDS (3: the kernel rows' turns of ttr and its reference; a row
+# without a reference is timed once), PRESETS,
 # SEQLENS, BATCH (8), SEQ_LEN (4096), STEPS (4), WARMUP (1),
 # REFERENCES (1), ISOLATE (0; 1: each model in its own process), LIFT_FLA_GUARD (1: fla 0.6.0's gated
 # backward runs on Hopper with Triton < 3.7.1 for timing only, fla issue #640, and the tables say so),
@@ -65,14 +66,13 @@ for p in ${PARTS//,/ }; do
         ttr_secs=$((secs / 3))
         # shellcheck disable=SC2086
         part "$p-ttr" "$ttr_secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" \
-          --no-reference --rounds 1 --time-budget $((ttr_secs - 20)) --out "$OUT/$p-ttr.md" --json "$OUT/$p-ttr.json"
+          --no-reference --time-budget $((ttr_secs - 20)) --out "$OUT/$p-ttr.md" --json "$OUT/$p-ttr.json"
         secs=$((secs - ttr_secs))
       fi
-      # the turns are between ttr and its reference: without references one round
-      refs=""; rounds=$ROUNDS; [ "$REFERENCES" = 1 ] || { refs=--no-reference; rounds=1; }
+      refs=""; [ "$REFERENCES" = 1 ] || refs=--no-reference
       # shellcheck disable=SC2086
       part "$p" "$secs" ttr.scripts.bench_kernels --shapes $shapes $presets --seqlens "$SEQLENS" $refs $guard \
-        --rounds "$rounds" --time-budget $((secs - 30)) --out "$OUT/$p.md" --json "$OUT/$p.json"
+        --rounds "$ROUNDS" --time-budget $((secs - 30)) --out "$OUT/$p.md" --json "$OUT/$p.json"
       ;;
     model)
       secs=$(left)

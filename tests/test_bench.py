@@ -159,6 +159,14 @@ def test_bench_kernels_rounds_alternate_and_report_medians(monkeypatch):
     assert "ref_fwd_ms" not in r and r["errors"]["ref"] == "RuntimeError: out of memory"
     one = bench_kernels.measure(row, shape, 1, 8, torch.device("cpu"), rounds=1)
     assert "ttr_fwd_rounds_ms" not in one and one["ttr_fwd_ms"] >= 0
+    # the turns are between two sides: without the reference, or when it fails at once, ttr is timed once
+    calls.clear()
+    alone = bench_kernels.measure(row, shape, 1, 8, torch.device("cpu"), references="none", rounds=3)
+    assert calls == [("ttr", False), ("ttr", True)] and "ttr_fwd_rounds_ms" not in alone
+    calls[:] = [None] * 8  # the fake reference now fails on its first call
+    failing = bench_kernels.measure(row, shape, 1, 8, torch.device("cpu"), rounds=3)
+    assert [c for c in calls[8:]] == [("ttr", False), ("ttr", True), ("ref", False)]
+    assert "ttr_fwd_rounds_ms" not in failing and failing["errors"]["ref"] == "RuntimeError: out of memory"
 
 
 def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
@@ -393,7 +401,7 @@ def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
     out = run().stdout.splitlines()
     # ttr's rows alone first, in a third of the kernels' share, then with the references
     assert out[0].startswith("== kernels-ttr (60 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
-                             "2048,4096,8192,16384 --no-reference --rounds 1 --time-budget 40 ")
+                             "2048,4096,8192,16384 --no-reference --time-budget 40 ")
     assert out[1].startswith("== kernels (120 s): ttr.scripts.bench_kernels --shapes preset --seqlens "
                              "2048,4096,8192,16384 --lift-fla-guard --rounds 3 --time-budget 90 ")
     assert out[2].startswith("== model (510 s): ttr.scripts.bench_model --references --lift-fla-guard --batch 8 "
@@ -401,7 +409,8 @@ def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
     out = run(PARTS="model", PRESETS="gla-1.3b", REFERENCES="0", ISOLATE="1", BUDGET_S="300").stdout
     assert "bench_model --presets gla-1.3b --no-references --isolate --batch 8" in out
     out = run(PARTS="kernels", REFERENCES="0").stdout
-    assert "kernels-ttr" not in out and "--no-reference --rounds 1 --time-budget 150" in out
+    # a row without a reference is timed once whatever --rounds says (bench_kernels.measure)
+    assert "kernels-ttr" not in out and "--no-reference --rounds 3 --time-budget 150" in out
     assert "--rounds 5 " in run(PARTS="kernels", ROUNDS="5").stdout
     bad = run(PARTS="kernels,bogus")
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
