@@ -365,7 +365,15 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
     address, while this one matched float64 at K = V = 256, K = 192 / V = 160 and K = 136 / V = 64
-    in bf16 and fp32, forward and backward (docs/benchmarks.md, "Known caveats")."""
+    in bf16 and fp32, forward and backward (docs/benchmarks.md, "Known caveats").
+
+    The backward with a scalar gate at K <= 64 walks on 8 warps with BV <= 32 while the grid is
+    small (fewer than two programs of BV = 64 per SM): its steps are short, and the sequential walk
+    is bound by each step's latency, which more warps over narrower tiles hide. H200, SSD at H = 64,
+    K = V = 64, bf16: 0.183 against 0.217 ms at 1 x 16384 (BV 32 on 4 warps before) and 0.134
+    against 0.144 at 2 x 8192 (BV 64 on 4), where at 8 x 2048 (512 programs) BV 64 on 4 warps stays
+    ahead (0.091 against 0.114); at K = 128 the 8-warp launch measured no better (0.266 against
+    0.261 ms at 1 x 16384)."""
     split = K > 128
     BK = 128 if split else max(16, triton.next_power_of_2(K))
     KP = 2 * BK if split else BK
@@ -376,6 +384,8 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     if split:
         return BK, 64, 4, 1, split
     num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta" and KP >= 128) else 4
+    if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * triton.cdiv(V, 64) < 2 * sms:
+        BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
     if not backward and walk == "vector" and num_warps == 8:
@@ -530,7 +540,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True)
+    walk = "delta" if w is not None else "vector" if gk is not None else "scalar"
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True, walk)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
     cfg = cfg if split else _checked(_sequential_cfg("state_bwd", **cfg), k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)

@@ -6,6 +6,7 @@ scalar gate, the per-key gate and no gate; Triton under the interpreter."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_path_heuristic(monkeypatch):
     assert not state._two_level("state_fwd", torch.empty(0), long, gk, heads=1)
     monkeypatch.setitem(TUNING, "state_fwd", {"two_level": True})
     assert state._two_level("state_fwd", None, short, None, heads=1)
+
+
+def test_walk_launch_heuristic(monkeypatch):
+    """The sequential walk's launch on a 132-SM GPU: BV about one program per SM, 8 warps for the
+    backward's wide tiles; the scalar gate's backward at K <= 64 on 8 warps and BV <= 32 while
+    fewer than two programs of BV = 64 per SM (SSD at N = 64: 64 and 128 (sequence, head) pairs),
+    and not with w, a vector gate, K = 128 or a full grid."""
+    monkeypatch.setattr(state.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        multi_processor_count=132))
+    cuda = torch.device("cuda")
+
+    def blocks(K, V, programs, backward, walk):  # (BV, warps, stages)
+        return state._state_blocks(K, V, programs, cuda, 2, backward, walk)[1:4]
+
+    assert blocks(64, 64, 64, True, "scalar") == (32, 8, 3)
+    assert blocks(64, 64, 128, True, "scalar") == (32, 8, 3)
+    assert blocks(64, 64, 512, True, "scalar") == (64, 4, 3)
+    assert blocks(64, 64, 64, False, "scalar") == (32, 4, 3)  # the forward keeps its launch
+    assert blocks(64, 64, 128, True, "delta") == (64, 4, 3)
+    assert blocks(64, 64, 128, True, "vector") == (64, 4, 3)
+    assert blocks(128, 64, 64, True, "scalar") == (32, 4, 3)
+    assert blocks(128, 64, 128, True, "scalar") == (64, 8, 3)
