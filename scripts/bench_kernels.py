@@ -298,6 +298,21 @@ def _bench(fn, x, do, backward: bool, device) -> float:
     return do_bench(step, warmup=25, rep=100, grad_to_none=leaves if backward else None, return_mode="median")
 
 
+def _gpu_fwd_bwd(fn, x, do) -> float:
+    """ms of the GPU's own work per fwd+bwd (``bench_utils.gpu_ms``): ``do_bench`` times from the
+    first launch, so where launching takes the host longer than the kernels take the GPU it times
+    the host; this times the kernels alone."""
+    from ttr.scripts.bench_utils import gpu_ms
+
+    leaves = _leaves(x)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(**x).backward(do)
+    return gpu_ms(step)
+
+
 def _peak(fn, x, do) -> float | None:
     from ttr.scripts.bench_utils import peak_mib
 
@@ -369,9 +384,11 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
         print(f"{s.op} {s.label()} {label} B={B} T={T}: {r['errors'][label]}", file=sys.stderr, flush=True)
 
     def time_both(label, fn, x, do):
-        times.setdefault(label, ([], []))
+        times.setdefault(label, ([], [], []))
         times[label][0].append(_bench(fn, x, do, False, device))
         times[label][1].append(_bench(fn, x, do, True, device))
+        if device.type == "cuda":
+            times[label][2].append(_gpu_fwd_bwd(fn, x, do))
 
     for label, fn in impls:
         try:
@@ -389,30 +406,41 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
                 except Exception as e:
                     fail(label, e)
                     times.pop(label)
-    for label, (fwd, fwd_bwd) in times.items():
+    for label, (fwd, fwd_bwd, gpu) in times.items():
         r[f"{label}_fwd_ms"], r[f"{label}_fwd_bwd_ms"] = statistics.median(fwd), statistics.median(fwd_bwd)
+        if gpu:
+            r[f"{label}_gpu_fwd_bwd_ms"] = statistics.median(gpu)
         if len(fwd) > 1:
             r[f"{label}_fwd_rounds_ms"], r[f"{label}_fwd_bwd_rounds_ms"] = fwd, fwd_bwd
+            if gpu:
+                r[f"{label}_gpu_fwd_bwd_rounds_ms"] = gpu
     if len(outputs) == 2:
         r["rel_err_vs_ref"] = max_rel_error(outputs["ttr"], outputs["ref"])
     del outputs, x, do
     return r
 
 
+# (header, key, format); a key ``a/b`` is the ratio of two times
 COLUMNS = [("ttr fwd", "ttr_fwd_ms", ".3f"), ("ref fwd", "ref_fwd_ms", ".3f"),
            ("ttr fwd+bwd", "ttr_fwd_bwd_ms", ".3f"), ("ref fwd+bwd", "ref_fwd_bwd_ms", ".3f"),
+           ("ttr / ref", "ttr_fwd_bwd_ms/ref_fwd_bwd_ms", ".2f"),
+           ("ttr GPU fwd+bwd", "ttr_gpu_fwd_bwd_ms", ".3f"), ("ref GPU fwd+bwd", "ref_gpu_fwd_bwd_ms", ".3f"),
+           ("GPU ttr / ref", "ttr_gpu_fwd_bwd_ms/ref_gpu_fwd_bwd_ms", ".2f"),
            ("ttr MiB", "ttr_peak_mib", ".0f"), ("ref MiB", "ref_peak_mib", ".0f"),
            ("err vs ref", "rel_err_vs_ref", ".1e"), ("err vs oracle", "oracle_rel_err", ".1e")]
+
+
+def _cell(r: dict, key: str, fmt: str) -> str:
+    num, _, den = key.partition("/")
+    value = r.get(num) if not den else (r[num] / r[den] if r.get(num) and r.get(den) else None)
+    return "" if value is None else format(value, fmt)
 
 
 def format_row(r: dict) -> str:
     if r.get("skipped"):
         return f"| {r['op']} | {r['reference']} | {r['shape']} | {r['B']} x {r['T']} | {r['skipped']} |"
-    cells = ["" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in COLUMNS]
-    ratio = (f"{r['ttr_fwd_bwd_ms'] / r['ref_fwd_bwd_ms']:.2f}"
-             if r.get("ttr_fwd_bwd_ms") and r.get("ref_fwd_bwd_ms") else "")
-    return f"| {r['op']} | {r['reference']} | {r['shape']} | {r['B']} x {r['T']} | " + " | ".join(cells[:4]) + \
-        f" | {ratio} | " + " | ".join(cells[4:]) + " |"
+    cells = [_cell(r, key, fmt) for _, key, fmt in COLUMNS]
+    return f"| {r['op']} | {r['reference']} | {r['shape']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |"
 
 
 def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all", oracle: bool = True,
@@ -427,7 +455,8 @@ def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all"
     env = environment(device)
     deadline = Deadline(budget)
     table = rows()
-    timing = (f"median ms (do_bench){f', the median of {rounds} rounds in turn' if rounds > 1 else ''}"
+    timing = (f"median ms (do_bench, from the first launch; GPU: the kernels alone, queued behind a GPU sleep)"
+              f"{f', the median of {rounds} rounds in turn' if rounds > 1 else ''}"
               if device.type == "cuda" else "CPU: code paths only, the times measure nothing")
     header = [
         f"{describe_environment(env)}; bf16, {timing}; peak MiB of one fwd+bwd above its inputs; "
@@ -435,9 +464,8 @@ def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all"
         f"at the row's shape, and against the float64 oracle (B=1, T={ORACLE_T} or twice the window, at most 4 "
         "heads)",
         "",
-        "| op | reference | shape | B x T | " + " | ".join(c for c, _, _ in COLUMNS[:4]) + " | ttr / ref | "
-        + " | ".join(c for c, _, _ in COLUMNS[4:]) + " |",
-        "|" + "---|" * (5 + len(COLUMNS)),
+        "| op | reference | shape | B x T | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
+        "|" + "---|" * (4 + len(COLUMNS)),
     ]
     footer = []
     runs_by = {(s.op, s.label()): s.presets for s, _, _ in todo}
@@ -509,20 +537,20 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
     return sum(k[2] for k in kernels), host, kernels
 
 
-def profile(ops: list[str], seqlens: list[int], device=None, iters: int = 10) -> str:
-    """Per-kernel GPU time (ms per fwd+bwd) and host ms per call of ttr's rows, as markdown."""
+def profile(todo: list[tuple[Shape, int, int]], device=None, iters: int = 10) -> str:
+    """Per-kernel GPU time (ms per fwd+bwd) and host ms per call of ttr's rows ``todo`` (``plan``), as
+    markdown."""
     device = torch.device(device or "cuda")
     table = rows()
     lines = []
-    for name in ops:
-        for T in seqlens:
-            B = max(1, TOKENS // T)
-            total, host, kernels = _profile_row(table[name], uniform_shape(name), B, T, device, iters)
-            block = [f"{name} {B} x {T}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call", "",
-                     "| kernel | launches per call | ms per call |", "|---|---|---|"]
-            block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
-            print("\n".join(block), flush=True)
-            lines += block
+    for s, B, T in todo:
+        total, host, kernels = _profile_row(table[s.op], s, B, T, device, iters)
+        block = [f"{s.op} {s.label()} {B} x {T}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call",
+                 "",
+                 "| kernel | launches per call | ms per call |", "|---|---|---|"]
+        block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
+        print("\n".join(block), flush=True)
+        lines += block
     return "\n".join(lines)
 
 
@@ -587,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
-    if not todo and not (args.stages or args.profile):
+    if not todo and not args.stages:
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
     if args.dry_run:
         for s, B, T in todo:
@@ -606,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
                                sweep)
     elif args.profile:
-        table = profile(ops or allowed, seqlens)
+        table = profile(todo)
     else:
         references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None

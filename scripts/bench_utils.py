@@ -38,6 +38,29 @@ def time_ms(fn, reps, warmup, device=None):
     return statistics.median(times)
 
 
+def gpu_ms(fn, calls: int = 20, sleep_cycles: int = 100_000_000) -> float:
+    """The GPU's own ms per call of ``fn``, without the host's launch time: ``calls`` calls are queued
+    behind a GPU sleep, so the events around them time their kernels back to back. Where the host
+    had not queued them all before the sleep ended (the start event had already run), the sleep is
+    doubled and the calls timed again."""
+    fn()
+    torch.cuda.synchronize()
+    while True:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        ahead = not start.query()  # the GPU still slept when the last call was queued
+        torch.cuda.synchronize()
+        if ahead:
+            return start.elapsed_time(end) / calls
+        if sleep_cycles > 2**36:  # about half a minute of sleep and still behind: not a GPU-bound call
+            raise RuntimeError("gpu_ms: the host never got ahead of the GPU")
+        sleep_cycles *= 2
+
+
 def error_text(e: BaseException, limit: int = 300) -> str:
     """An exception as one line for a benchmark's row: its type and the first line of its message."""
     message = str(e).splitlines()[0] if str(e) else ""

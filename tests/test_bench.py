@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,6 +131,46 @@ def test_bench_kernels_smoke_on_cpu(monkeypatch, tmp_path):
     assert len(rows) == 3 and all(r["skipped"] for r in rows)
 
 
+def test_gpu_ms_times_the_kernels_once_the_host_is_ahead(monkeypatch):
+    """``gpu_ms`` queues its calls behind a GPU sleep and reads the events only if the host queued
+    them all while the GPU still slept (the start event had not run); else it doubles the sleep and
+    times them again."""
+    from ttr.scripts import bench_utils
+
+    sleeps, queries = [], iter([True, True, False])  # the start event had run twice: the host was late
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def query(self):
+            return next(queries)
+
+        def elapsed_time(self, end):
+            return 40.0
+
+    fake = SimpleNamespace(Event=Event, _sleep=sleeps.append, synchronize=lambda: None)
+    monkeypatch.setattr(bench_utils.torch, "cuda", fake)
+    calls = []
+    assert bench_utils.gpu_ms(lambda: calls.append(1), calls=20, sleep_cycles=1000) == 2.0
+    assert sleeps == [1000, 2000, 4000]
+    assert len(calls) == 1 + 3 * 20  # one call before timing, then each try's 20
+
+
+def test_bench_row_cells_give_both_ratios():
+    """A row's cells: wall-clock and GPU times of both sides and the two ratios ttr / reference; a
+    missing reference leaves its cells and ratios empty."""
+    r = {"op": "ssd", "reference": "fla", "shape": "H=64", "B": 8, "T": 2048, "ttr_fwd_ms": 0.4, "ref_fwd_ms": 0.5,
+         "ttr_fwd_bwd_ms": 1.5, "ref_fwd_bwd_ms": 2.25, "ttr_gpu_fwd_bwd_ms": 1.2, "ref_gpu_fwd_bwd_ms": 2.4}
+    assert bench_kernels.format_row(r) == ("| ssd | fla | H=64 | 8 x 2048 | 0.400 | 0.500 | 1.500 | 2.250 | 0.67 | "
+                                           "1.200 | 2.400 | 0.50 |  |  |  |  |")
+    alone = {k: v for k, v in r.items() if not k.startswith("ref_")}
+    assert bench_kernels.format_row(alone).endswith("| 0.400 |  | 1.500 |  |  | 1.200 |  |  |  |  |  |  |")
+
+
 def test_bench_kernels_rounds_alternate_and_report_medians(monkeypatch):
     """`--rounds`: ttr and the reference are timed in turn, and each time is the median of its rounds;
     a reference that fails in a later round leaves ttr's numbers and its own error."""
@@ -170,15 +211,14 @@ def test_bench_kernels_rounds_alternate_and_report_medians(monkeypatch):
 
 
 def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
-    """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row: host time
-    measured, kernel table formatted (empty without CUDA)."""
-    monkeypatch.setattr(bench_kernels, "TOKENS", 64)
-    monkeypatch.setattr(bench_kernels, "HEADS", 2)
-    monkeypatch.setattr(bench_kernels, "HEAD_DIM", 16)
+    """`ttr bench --profile`'s per-row profile (a GPU tool) runs end to end on a tiny CPU row of the
+    planned shapes (here an SSD layout with groups, as the presets' rows have): host time measured,
+    kernel table formatted (empty without CUDA)."""
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
-    report = bench_kernels.profile(["ssd"], [32], device="cpu", iters=1)
+    shape = bench_kernels.Shape("ssd", 4, 16, 8, groups=2)
+    report = bench_kernels.profile([(shape, 2, 32)], device="cpu", iters=1)
     head = report.splitlines()[0]
-    assert head.startswith("ssd 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
+    assert head.startswith(f"ssd {shape.label()} 2 x 32: kernels 0.000 ms per fwd+bwd, host ")
     assert float(head.split("host ")[1].split(" ms")[0]) > 0
     assert "| kernel | launches per call | ms per call |" in report
 
