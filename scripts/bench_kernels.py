@@ -26,9 +26,11 @@ Usage: ``ttr bench [--shapes preset] [--ops delta,ssd] [--seqlens 2048,4096] [--
 ``--dry-run`` lists the rows without running them (no GPU needed). ``--lift-fla-guard`` lets fla run
 its gated backward on Hopper with Triton < 3.7.1 (fla issue #640; timing only, and the table says
 so); without it those fla cells are empty there.
-``--profile`` prints instead the CUDA kernels of ttr's fwd+bwd per row (``torch.profiler``, ms per
-iteration) and the host time of one call: a row whose host time approaches its kernel time is
-timed as the host, not the GPU (``do_bench`` measures from the first launch).
+Each row gives both sides' fwd+bwd twice: ``do_bench``'s median, which measures from the first
+launch (so a call whose host time exceeds its kernel time is timed as the host), and the GPU's
+own time (``_gpu_fwd_bwd``: the calls queued behind a GPU sleep), with a ratio for each.
+``--profile`` prints instead the CUDA kernels of ttr's fwd+bwd per planned row (``torch.profiler``,
+ms per iteration) and the host time of one call.
 ``--stages`` times each engine stage of ``gated_delta``, ``delta``, ``gla`` or ``simple_gla`` (SSD
 runs simple GLA's kernels) and with ``--sweep`` the launch alternatives of ``SWEEPS``, fastest
 first: a winner becomes the stage's default in ``kernels/common`` (``ttr.scripts.bench_stages``).

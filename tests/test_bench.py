@@ -468,6 +468,9 @@ def test_bench_kernels_preset_rows_on_gpu(tmp_path):
     assert [r["op"] for r in rows] == ["delta", "swa"]
     for r in rows:
         assert r["ttr_fwd_bwd_ms"] > 0 and r["ref_fwd_bwd_ms"] > 0 and r["ttr_peak_mib"] > 0, r
+        # the kernels alone take no longer than the wall clock from the first launch (within noise)
+        for side in ("ttr", "ref"):
+            assert 0 < r[f"{side}_gpu_fwd_bwd_ms"] < 1.1 * r[f"{side}_fwd_bwd_ms"], r
         assert r["rel_err_vs_ref"] < 2e-2 and r["oracle_rel_err"] < 2e-2, r
 
 
