@@ -347,8 +347,14 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
     _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
 
 
+def _walk(w, gk) -> str:
+    """The kind of state walk ``_state_blocks`` picks launches for: "delta" (with ``w``), "vector"
+    (a per-key gate ``gk``) or "scalar" (a per-head gate, or none)."""
+    return "delta" if w is not None else "vector" if gk is not None else "scalar"
+
+
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool,
-                  walk: str = "delta"):
+                  walk: str):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
@@ -508,8 +514,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    walk = "delta" if w is not None else "vector" if gk is not None else "scalar"
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False, walk)
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False,
+                                                         _walk(w, gk))
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
     cfg = cfg if split else _checked(_sequential_cfg("state_fwd", **cfg), k.element_size())
     h = k.new_empty(plan.num_chunks, H, K, V)
@@ -540,8 +546,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    walk = "delta" if w is not None else "vector" if gk is not None else "scalar"
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True, walk)
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True,
+                                                         _walk(w, gk))
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
     cfg = cfg if split else _checked(_sequential_cfg("state_bwd", **cfg), k.element_size())
     dh = k.new_empty(plan.num_chunks, H, K, V)
