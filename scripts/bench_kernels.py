@@ -300,27 +300,30 @@ def _bench(fn, x, do, backward: bool, device) -> float:
     return do_bench(step, warmup=25, rep=100, grad_to_none=leaves if backward else None, return_mode="median")
 
 
-def _gpu_fwd_bwd(fn, x, do) -> float:
-    """ms of the GPU's own work per fwd+bwd (``bench_utils.gpu_ms``): ``do_bench`` times from the
-    first launch, so where launching takes the host longer than the kernels take the GPU it times
-    the host; this times the kernels alone."""
-    from ttr.scripts.bench_utils import gpu_ms
-
+def _fwd_bwd_step(fn, x, do) -> Callable[[], None]:
+    """One forward+backward of ``fn`` on ``x``, the inputs' gradients cleared first."""
     leaves = _leaves(x)
 
     def step():
         for t in leaves:
             t.grad = None
         fn(**x).backward(do)
-    return gpu_ms(step)
+    return step
+
+
+def _gpu_fwd_bwd(fn, x, do) -> float:
+    """ms of the GPU's own work per fwd+bwd (``bench_utils.gpu_ms``): ``do_bench`` times from the
+    first launch, so where launching takes the host longer than the kernels take the GPU it times
+    the host; this times the kernels alone."""
+    from ttr.scripts.bench_utils import gpu_ms
+
+    return gpu_ms(_fwd_bwd_step(fn, x, do))
 
 
 def _peak(fn, x, do) -> float | None:
     from ttr.scripts.bench_utils import peak_mib
 
-    for t in _leaves(x):
-        t.grad = None
-    return peak_mib(lambda: fn(**x).backward(do))
+    return peak_mib(_fwd_bwd_step(fn, x, do))
 
 
 def _outputs(fn, x, do) -> list[torch.Tensor | None]:
@@ -515,13 +518,7 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
     from ttr.scripts.bench_utils import kernel_times
 
     x, do = _inputs(row, B, T, s, device)
-    leaves = _leaves(x)
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        row.ttr(**x).backward(do)
-
+    step = _fwd_bwd_step(row.ttr, x, do)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
         step()

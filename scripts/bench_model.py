@@ -630,24 +630,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(text + "\n")
 
+    def preset_rows(preset: str):
+        """The rows of ``preset``'s models (ttr's, then its reference's), each as it is measured: the
+        pair together with ``--rounds``, else one model after the other."""
+        impls = [i for i in IMPLS if i == "ttr" or (args.references and has_reference(preset, args.loop))]
+        if args.rounds > 1:
+            yield from ([{"preset": preset, "impl": i, "status": "skipped"} for i in impls] if deadline.expired()
+                        else measure_rounds(preset, impls, args))
+            return
+        for impl in impls:
+            if deadline.expired():
+                yield {"preset": preset, "impl": impl, "status": "skipped"}
+            elif args.isolate:
+                left = None if deadline.end is None else max(deadline.end - time.monotonic(), 1.0)
+                yield measure_isolated(preset, impl, args, left)
+            else:
+                yield measure(preset, impl, args)
+
     if args.train:
         for preset in args.preset_list:
-            impls = [i for i in IMPLS if i == "ttr" or (args.references and has_reference(preset, args.loop))]
-            if args.rounds > 1:
-                rows = ([{"preset": preset, "impl": i, "status": "skipped"} for i in impls] if deadline.expired()
-                        else measure_rounds(preset, impls, args))
-            else:
-                rows = None
-            for k, impl in enumerate(impls):
-                if rows is not None:
-                    row = rows[k]
-                elif deadline.expired():
-                    row = {"preset": preset, "impl": impl, "status": "skipped"}
-                elif args.isolate:
-                    left = None if deadline.end is None else max(deadline.end - time.monotonic(), 1.0)
-                    row = measure_isolated(preset, impl, args, left)
-                else:
-                    row = measure(preset, impl, args)
+            for row in preset_rows(preset):
                 results.append(row)
                 print(json.dumps(row), flush=True)
                 write(format_table(results, header) + ("\n\n" + note if note else ""))
