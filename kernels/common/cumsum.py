@@ -4,6 +4,10 @@ Inside chunk c of a sequence, ``g_cum[t] = sum_{s in chunk, s <= t} g[s]`` (``re
 ``s >= t``, which is the backward of the forward sum). fp32 out, whatever the input dtype.
 With ``scale`` (``[H]``, fp32) the summed terms are ``g[s] * scale[h]``: Mamba2's gate ``A dt``
 without a separate product pass.
+
+A program sums one chunk of a ``[BT, BK]`` tile of contiguous columns: a per-key gate's keys of one
+head, or a scalar gate's heads (its ``[B, T, H]`` rows are read whole rather than one column of
+stride H per head and chunk).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from ttr.kernels.common.index import ChunkPlan
 
 @triton.jit
 def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, USE_SCALE: tl.constexpr):
+                        BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, USE_SCALE: tl.constexpr,
+                        HEAD_COLS: tl.constexpr):
+    """One chunk of g ``[rows, H, K]`` in ``[BT, BK]`` tiles; with HEAD_COLS the K columns are heads
+    (a scalar gate seen as H = 1) and ``scale`` is read per column."""
     i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -27,7 +34,10 @@ def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, H: tl.constexp
     p = (o_t.to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]
     b_g = tl.load(g + p, mask=m, other=0).to(tl.float32)  # [BT, BK]
     if USE_SCALE:
-        b_g *= tl.load(scale + i_h)
+        if HEAD_COLS:
+            b_g *= tl.load(scale + o_k, mask=o_k < K, other=0.)[None, :]
+        else:
+            b_g *= tl.load(scale + i_h)
     b_c = tl.cumsum(b_g, axis=0)
     if REVERSE:
         b_c = tl.sum(b_g, axis=0)[None, :] - b_c + b_g
@@ -38,11 +48,14 @@ def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = Fals
                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """``g``: ``[B,T,H]`` or ``[B,T,H,K]``; ``scale``: ``[H]`` fp32 factors or None; returns fp32 of g's shape."""
     g = g.contiguous()
-    H = g.shape[2]
-    K = g.shape[3] if g.dim() == 4 else 1
+    head_cols = g.dim() == 3
+    # a scalar gate's heads are the tile's columns: at Mamba2-1.3B's 64 heads one program per chunk
+    # reads 64 contiguous rows of 256 bytes, where one program per chunk and head read 64 values
+    # 256 bytes apart
+    H, K = (1, g.shape[2]) if head_cols else g.shape[2:]
     BK = min(triton.next_power_of_2(K), 64)
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     grid = (plan.num_chunks, H, triton.cdiv(K, BK))
     chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size,
-                              BK=BK, REVERSE=reverse, USE_SCALE=scale is not None)
+                              BK=BK, REVERSE=reverse, USE_SCALE=scale is not None, HEAD_COLS=head_cols)
     return out

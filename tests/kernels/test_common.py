@@ -44,10 +44,11 @@ def reference_states(k, v, g, gk, h0, B, T, cu, chunk=64):
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)
-@pytest.mark.parametrize("vector", [False, True])
-def test_chunk_local_cumsum(B, T, cu, vector):
-    shape = (B, T, 2, 20) if vector else (B, T, 2)
-    g = -torch.rand(shape)
+@pytest.mark.parametrize("heads", [(2,), (70,), (2, 20)], ids=["scalar", "scalar-wide", "vector"])
+def test_chunk_local_cumsum(B, T, cu, heads):
+    """Scalar gates are summed with the heads as a tile's columns (70 heads: two column blocks, the
+    second masked), per-key gates with the keys."""
+    g = -torch.rand((B, T, *heads))
     plan = prepare_chunks(torch.tensor(cu) if cu else None, B, T)
     out, back = chunk_local_cumsum(g, plan), chunk_local_cumsum(g, plan, reverse=True)
     for b, s, e in spans(B, T, cu):
@@ -56,11 +57,28 @@ def test_chunk_local_cumsum(B, T, cu, vector):
             x = g[b, c0:c1]
             assert torch.allclose(out[b, c0:c1], x.cumsum(0), atol=1e-5)
             assert torch.allclose(back[b, c0:c1], x.flip(0).cumsum(0).flip(0), atol=1e-5)
-    # per-head factors (Mamba2's g = A dt summed without a product pass)
-    A = torch.tensor([-0.5, -3.0])
-    A_shape = (2, 1) if vector else (2,)
+    # per-head factors (Mamba2's g = A dt summed without a product pass), a different one per head
+    A = -torch.linspace(0.5, 3.0, heads[0])
+    A_shape = (heads[0],) + (1,) * (len(heads) - 1)
     assert torch.allclose(chunk_local_cumsum(g, plan, scale=A), chunk_local_cumsum(g * A.view(A_shape), plan),
                           atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(64,), (16,), (80,), (16, 64)], ids=str)
+def test_chunk_local_cumsum_gpu(heads):
+    """The presets' gate shapes (Mamba2's 64 heads, the delta rules' 16, GLA's per-key gate) and a
+    head count past one column block, against torch's cumsum per chunk; the last chunk is partial."""
+    B, T = 2, 4000
+    g = -torch.rand((B, T, *heads), device="cuda")
+    A = -torch.linspace(0.5, 3.0, heads[0], device="cuda").view((heads[0],) + (1,) * (len(heads) - 1))
+    plan = prepare_chunks(None, B, T, device="cuda")
+    out = chunk_local_cumsum(g, plan, scale=A.flatten())
+    back = chunk_local_cumsum(g, plan, reverse=True)
+    for c0 in range(0, T, 64):
+        x = g[:, c0 : c0 + 64].double()
+        assert torch.allclose(out[:, c0 : c0 + 64].double(), (x * A).cumsum(1), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(back[:, c0 : c0 + 64].double(), x.flip(1).cumsum(1).flip(1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)
