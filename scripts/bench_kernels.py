@@ -321,8 +321,12 @@ def _gpu_fwd_bwd(fn, x, do) -> float:
 
 
 def _peak(fn, x, do) -> float | None:
+    """MiB one fwd+bwd allocates above its inputs, the gradients it writes included: the previous
+    call's gradients are freed before the baseline is read, not inside the measured step."""
     from ttr.scripts.bench_utils import peak_mib
 
+    for t in _leaves(x):
+        t.grad = None
     return peak_mib(_fwd_bwd_step(fn, x, do))
 
 

@@ -160,6 +160,26 @@ def test_gpu_ms_times_the_kernels_once_the_host_is_ahead(monkeypatch):
     assert len(calls) == 1 + 3 * 20  # one call before timing, then each try's 20
 
 
+def test_peak_counts_the_gradients_the_step_writes(monkeypatch):
+    """The peak's baseline is read with the previous call's gradients freed, so the step's own
+    gradients count above it (a baseline that still held them under-counted by their size)."""
+    from ttr.scripts import bench_utils
+
+    x = {"a": torch.randn(3, requires_grad=True)}
+    x["a"].grad = torch.ones(3)  # left by an earlier timing call
+    seen = []
+
+    def peak_mib(fn):
+        seen.append(x["a"].grad)  # what the baseline would hold
+        fn()
+        return 0.0
+
+    monkeypatch.setattr(bench_utils, "peak_mib", peak_mib)
+    assert bench_kernels._peak(lambda a: (a * 2).sum(), x, torch.tensor(1.0)) == 0.0
+    assert seen == [None]
+    assert torch.equal(x["a"].grad, torch.full((3,), 2.0))
+
+
 def test_bench_row_cells_give_both_ratios():
     """A row's cells: wall-clock and GPU times of both sides and the two ratios ttr / reference; a
     missing reference leaves its cells and ratios empty."""
