@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import prepare_packing, segments, tuned
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_packing, segments, tuned
 from ttr.kernels.norm import l2_norm, reference_l2_norm
 from ttr.kernels.utils import (
     check_cu_seqlens,
@@ -425,9 +425,9 @@ def _launch_fwd(t: int, d: int, l2: int) -> dict:
     """Launch parameters of ``conv_fwd`` (``index.tuned``): BT tokens by BD channels per block, the
     fastest of ``bench_fused --sweep`` on an H200; a block holds whole groups of ``l2`` channels."""
     if interpreter_active():
-        cfg = tuned("conv_fwd", BT=min(64, triton.next_power_of_2(max(t, 1))), BD=min(64, triton.next_power_of_2(d)))
+        cfg = tuned("conv_fwd", BT=min(64, next_power_of_2(max(t, 1))), BD=min(64, next_power_of_2(d)))
     else:
-        cfg = tuned("conv_fwd", BT=16, BD=min(256, triton.next_power_of_2(d)), num_warps=4)
+        cfg = tuned("conv_fwd", BT=16, BD=min(256, next_power_of_2(d)), num_warps=4)
     return {**cfg, "BD": max(cfg["BD"], l2)}
 
 
@@ -441,9 +441,9 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     in packed input, where each token's document is two dependent loads more: 0.336 -> 0.279 ms
     with the norm, 0.184 -> 0.178 without (1 x 32768 tokens in 15 documents, D = 2048)."""
     if interpreter_active():
-        cfg = tuned("conv_bwd", SEG=16, BD=min(64, triton.next_power_of_2(d)))
+        cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:
-        cfg = tuned("conv_bwd", SEG=256, BD=min(128, triton.next_power_of_2(d)), num_warps=1,
+        cfg = tuned("conv_bwd", SEG=256, BD=min(128, next_power_of_2(d)), num_warps=1,
                     PREFETCH=packed or l2 == 0)
     return {**cfg, "BD": max(cfg["BD"], l2)}
 
@@ -468,7 +468,7 @@ def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
     seq_idx, cu = _varlen_meta(packing)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cfg = _launch_fwd(t, d, l2)
-    grid = (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"]), b)
+    grid = (cdiv(t, cfg["BT"]), cdiv(d, cfg["BD"]), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
@@ -486,13 +486,13 @@ def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_ep
     w = weight.shape[1]
     seq_idx, cu = _varlen_meta(packing)
     cfg = _launch_bwd(d, l2, packing is not None)
-    ns = triton.cdiv(t, cfg["SEG"])
+    ns = cdiv(t, cfg["SEG"])
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty(b * ns, w, d, dtype=torch.float32, device=x.device)
     db = torch.empty(b * ns, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
     if t:
-        _conv_bwd_kernel[(ns, triton.cdiv(d, cfg["BD"]), b)](
+        _conv_bwd_kernel[(ns, cdiv(d, cfg["BD"]), b)](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
@@ -749,8 +749,8 @@ def _conv_update(x, conv_state, weight, bias, activation):
     x, conv_state, weight = x.contiguous(), conv_state.contiguous(), weight.contiguous()
     y = torch.empty_like(x)
     new_state = torch.empty_like(conv_state)
-    bd = min(256, triton.next_power_of_2(d))
-    _conv_update_kernel[(b, triton.cdiv(d, bd))](
+    bd = min(256, next_power_of_2(d))
+    _conv_update_kernel[(b, cdiv(d, bd))](
         x, conv_state, weight, bias if bias is not None else weight, y, new_state, d,
         W=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu", BD=bd,
     )  # fmt: skip

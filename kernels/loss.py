@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import next_power_of_2
 from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
 REDUCTIONS = ("mean", "sum")
@@ -74,7 +75,7 @@ def _triton_ce_chunk(logits, labels, ignore_index, compute_grad):
     c, v = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     if c:
-        bv = min(triton.next_power_of_2(v), 4096)
+        bv = min(next_power_of_2(v), 4096)
         _ce_fwd_bwd_kernel[(c,)](
             logits, labels, loss, v, logits.stride(0), ignore_index,
             COMPUTE_GRAD=compute_grad, BV=bv, num_warps=8 if bv >= 2048 else 4,
@@ -101,7 +102,7 @@ def _torch_ce_chunk(logits, labels, ignore_index, compute_grad):
 def _default_chunk_size(n: int, d: int, v: int) -> int:
     """Tokens per chunk: the power of 2 at or above the count whose logits are twice hidden's size."""
     target = max(1, (2 * n * d) // max(v, 1))
-    return max(256, min(triton.next_power_of_2(target), 8192))
+    return max(256, min(next_power_of_2(target), 8192))
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import tuned
+from ttr.kernels.common.index import cdiv, next_power_of_2, sm_count, tuned
 from ttr.kernels.utils import (
     bias_grad,
     cast_linear,
@@ -160,20 +160,20 @@ def _rms_norm_bwd_kernel(
 
 def _bwd_programs(blocks: int, device: torch.device, per_sm: int) -> int:
     if device.type == "cuda":
-        return max(1, min(blocks, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(blocks, per_sm * sm_count(device)))
     return max(1, min(blocks, 4))
 
 
 def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1, r2=None):
     """y and rstd; with ``r2`` (a residual branch) the norm is of ``s = x2 + r2``, returned third."""
     rows, d = x2.shape[0], x2.shape[1] // groups
-    bd = triton.next_power_of_2(d)
+    bd = next_power_of_2(d)
     cfg = _launch("norm_fwd", bd)
     y = torch.empty_like(x2, dtype=out_dtype or x2.dtype)
     rstd = torch.empty(rows, groups, dtype=torch.float32, device=x2.device)
     s2 = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, r2.dtype)) if r2 is not None else None
     if rows:
-        _rms_norm_fwd_kernel[(triton.cdiv(rows, cfg["BR"]), groups)](
+        _rms_norm_fwd_kernel[(cdiv(rows, cfg["BR"]), groups)](
             x2, z2 if z2 is not None else x2, r2 if r2 is not None else x2, s2 if s2 is not None else y,
             w, y, rstd, rows, d, z2.stride(0) if z2 is not None else 0, eps,
             HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_RES=r2 is not None, BR=cfg["BR"], BD=bd,
@@ -187,12 +187,12 @@ def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None,
     ``store_y`` the forward's output again in x's dtype (y; else None)."""
     rows, groups = rstd.shape
     d = x2.shape[1] // groups
-    bd = triton.next_power_of_2(d)
+    bd = next_power_of_2(d)
     cfg = _launch("norm_bwd", bd)
     dx = torch.empty_like(x2)
     dr = torch.empty_like(x2, dtype=dr_dtype) if dr_dtype is not None else None
     dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
-    progs = _bwd_programs(triton.cdiv(rows, cfg["BR"]), x2.device, cfg["SM_PROGS"])
+    progs = _bwd_programs(cdiv(rows, cfg["BR"]), x2.device, cfg["SM_PROGS"])
     dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
     y = torch.empty_like(x2) if store_y else None
     if rows:

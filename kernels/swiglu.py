@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import cdiv
 from ttr.kernels.utils import (
     bias_grad,
     cast_linear,
@@ -67,7 +68,7 @@ def _swiglu_fwd(gate, up):
     y = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
+        _swiglu_fwd_kernel[(cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
     return y
 
 
@@ -77,7 +78,7 @@ def _swiglu_bwd(gate, up, dy, store_y: bool):
     y = torch.empty_like(gate) if store_y else None
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, y if store_y else dg, n, BLOCK=BLOCK,
+        _swiglu_bwd_kernel[(cdiv(n, BLOCK),)](gate, up, dy, dg, du, y if store_y else dg, n, BLOCK=BLOCK,
                                                       STORE_Y=store_y, num_warps=8)
     return dg, du, y
 

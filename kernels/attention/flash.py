@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ttr.kernels.common.index import prepare_packing
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_packing
 from ttr.kernels.utils import SUPPORTED_DTYPES, interpreter_active
 
 LOG2E = math.log2(math.e)
@@ -490,10 +490,10 @@ class SequencePlan(NamedTuple):
         """Programs per head of a grid over blocks of ``size``."""
         if self.compact:
             return int(((self.lengths + size - 1) // size).sum())
-        return triton.cdiv(self.max_len, size) * self.n
+        return cdiv(self.max_len, size) * self.n
 
     def consts(self) -> dict:
-        np_ = max(16, triton.next_power_of_2(self.n)) if self.compact else 16
+        np_ = max(16, next_power_of_2(self.n)) if self.compact else 16
         return dict(NP=np_, VARLEN=self.cu is not None, COMPACT=self.compact)
 
 
@@ -517,17 +517,17 @@ def attention_fwd(q, k, v, plan, window, scale):
     lse = torch.empty(hq, t_total, device=q.device, dtype=torch.float32)
     grid = lambda meta: (plan.blocks(meta["BM"]) * hq,)
     _launch(attn_fwd_kernel, "fwd", grid, q, k, v, o, lse, plan.cu, t_total, plan.max_len, window, scale * LOG2E,
-            plan.n, HQ=hq, G=hq // k.shape[1], D=d, BD=triton.next_power_of_2(d), GH=GROUP_HEADS, **plan.consts())
+            plan.n, HQ=hq, G=hq // k.shape[1], D=d, BD=next_power_of_2(d), GH=GROUP_HEADS, **plan.consts())
     return o, lse
 
 
 def attention_bwd(q, k, v, o, lse, do, plan, window, scale):
     t_total, hq, d = q.shape
     hkv = k.shape[1]
-    bd = triton.next_power_of_2(d)
+    bd = next_power_of_2(d)
     delta = torch.empty_like(lse)
     bt = max(16, 4096 // bd)
-    attn_bwd_delta_kernel[(triton.cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
+    attn_bwd_delta_kernel[(cdiv(t_total, bt), hq)](o, do, delta, t_total, HQ=hq, D=d, BD=bd, BT=bt)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grid = lambda meta: (plan.blocks(meta["BN1"]) * hkv + plan.blocks(meta["BM2"]) * hq,)
     _launch(attn_bwd_kernel, "bwd", grid, q, k, v, do, lse, delta, dq, dk, dv, plan.cu, t_total, plan.max_len,

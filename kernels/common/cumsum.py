@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan
+from ttr.kernels.common.index import ChunkPlan, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -53,9 +53,9 @@ def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = Fals
     # reads 64 contiguous rows of 256 bytes, where one program per chunk and head read 64 values
     # 256 bytes apart
     H, K = (1, g.shape[2]) if head_cols else g.shape[2:]
-    BK = min(triton.next_power_of_2(K), 64)
+    BK = min(next_power_of_2(K), 64)
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)
-    grid = (plan.num_chunks, H, triton.cdiv(K, BK))
+    grid = (plan.num_chunks, H, cdiv(K, BK))
     chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size,
                               BK=BK, REVERSE=reverse, USE_SCALE=scale is not None, HEAD_COLS=head_cols)
     return out

@@ -3,6 +3,7 @@ packing of documents (``cu_seqlens``) resolved once for all the ops of a forward
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -222,6 +223,32 @@ def keep_states(plan: ChunkPlan) -> bool:
 # "output_bwd_dv", "output_bwd_dqk") -> {"BV": .., "num_warps": .., "num_stages": ..}. Empty in normal
 # use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in heuristics.
 TUNING: dict[str, dict] = {}
+
+
+# Launch arithmetic on the host. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton's constexpr
+# functions, and a call of one from Python costs about 2 us (its arguments are unwrapped first);
+# an op's fwd+bwd makes 15 - 20 of them, and its host time is what a small call waits for.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of ints, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (0 for n <= 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for any other), looked up once per device:
+    ``torch.cuda.get_device_properties`` runs through Python on every call."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def block_size(n: int, cap: int) -> int:

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, block_size, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
 from ttr.kernels.common.tile import chunk_span
 
 SUB_CHUNK = 16
@@ -342,7 +342,7 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     o = torch.empty_like(v)
     # BV 128: one program covers a whole value head, so A and q are read once per chunk
     cfg = tuned("vector_gate_output", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=4)
-    vector_gate_output_kernel[(plan.num_chunks, triton.cdiv(V, cfg["BV"]), H)](
+    vector_gate_output_kernel[(plan.num_chunks, cdiv(V, cfg["BV"]), H)](
         q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
         **cfg)
     return o
@@ -396,7 +396,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     dk = torch.empty_like(k)
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
-    vector_gate_bwd_dqkg_kernel[(plan.num_chunks, triton.cdiv(K, cfg["BK"]), H)](
+    vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
         H=H, K=K, V=V, BT=plan.chunk_size, **cfg)
     return dq, dk, dg

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, block_size, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -170,7 +170,7 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     # instead of once per V block; 8 warps and 3 stages keep the loads of the next K block in flight
     # (the delta rules run the same kernel on the same shapes, with v_new for v)
     cfg = tuned("output_fwd", BV=block_size(V, 128), num_warps=8, num_stages=3)
-    output_fwd_kernel[(triton.cdiv(V, cfg['BV']), plan.num_chunks, H)](
+    output_fwd_kernel[(cdiv(V, cfg['BV']), plan.num_chunks, H)](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
         USE_G=g is not None, **cfg)
     return o
@@ -206,11 +206,11 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
         # the wider program measured slower than two K blocks on 4 warps (H100, BT = 64, K = V = 128:
         # delta 0.345 against 0.387 ms, gated delta 0.443 against 0.399, simple GLA 0.428 against
         # 0.394, at 16 heads and 8 x 2048 tokens)
-        cfg = tuned("output_bwd_dqk", BK=max(16, triton.next_power_of_2(K)), BV=BV, num_warps=8,
+        cfg = tuned("output_bwd_dqk", BK=max(16, next_power_of_2(K)), BV=BV, num_warps=8,
                     num_stages=2 if q.element_size() == 4 else 3)
     else:
         cfg = tuned("output_bwd_dqk", BK=BK, BV=BV, num_stages=2 if q.element_size() == 4 else 3)
-    NK = triton.cdiv(K, cfg["BK"])
+    NK = cdiv(K, cfg["BK"])
     dq = q.new_empty(B, T, H, K)
     dk = q.new_empty(B, T, H, K)
     dw = q.new_empty(B, T, H, K) if dv is not None else None

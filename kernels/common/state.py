@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, block_size, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -381,16 +381,16 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     ahead (0.091 against 0.114); at K = 128 the 8-warp launch measured no better (0.266 against
     0.261 ms at 1 x 16384)."""
     split = K > 128
-    BK = 128 if split else max(16, triton.next_power_of_2(K))
+    BK = 128 if split else max(16, next_power_of_2(K))
     KP = 2 * BK if split else BK
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = sm_count(device)
     BV = block_size(V, 64)
-    while BV > 16 and programs_per_vblock * triton.cdiv(V, BV) < 0.9 * sms:
+    while BV > 16 and programs_per_vblock * cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:
         return BK, 64, 4, 1, split
     num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta" and KP >= 128) else 4
-    if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * triton.cdiv(V, 64) < 2 * sms:
+    if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * cdiv(V, 64) < 2 * sms:
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
@@ -458,7 +458,7 @@ def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, sc
     H, V = y.shape[2:]
     cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(K, cfg["BK"]) * triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)
+    grid = (cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K,
                              V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
                              USE_YS=y_scale is not None, **cfg)
@@ -473,11 +473,11 @@ def _scan(d: torch.Tensor, plan: ChunkPlan, *, g, gk, start, need_end: bool, dty
     pipeliner keeps ``num_stages - 1`` steps ahead (4 KB of shared memory per stage at [32, 32])."""
     NT, H, K, V = d.shape
     N = plan.num_seqs
-    cfg = tuned(stage, BK=min(32, triton.next_power_of_2(K)), BV=min(32, triton.next_power_of_2(V)), num_warps=4,
+    cfg = tuned(stage, BK=min(32, next_power_of_2(K)), BV=min(32, next_power_of_2(V)), num_warps=4,
                 num_stages=4)
     h = torch.empty(d.shape, device=d.device, dtype=dtype)
     end = torch.empty(N, H, K, V, device=d.device, dtype=torch.float32) if need_end else None
-    grid = (N * H, triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"]))
+    grid = (N * H, cdiv(K, cfg["BK"]), cdiv(V, cfg["BV"]))
     state_scan_kernel[grid](d, g, gk, h, start, end, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
                             BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, USE_S0=start is not None,
                             STORE_ST=need_end, REVERSE=reverse, STAGES=cfg["num_stages"], **cfg)
@@ -490,7 +490,7 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
     # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
     cfg = tuned("state_bwd_dv", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4, num_stages=2)
     dv2 = torch.empty_like(dv)
-    state_dv_kernel[(triton.cdiv(V, cfg["BV"]), plan.num_chunks, H)](
+    state_dv_kernel[(cdiv(V, cfg["BV"]), plan.num_chunks, H)](
         k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
         USE_G=g is not None, USE_GK=gk is not None, **cfg)
     return dv2
@@ -521,7 +521,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    state_fwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
+    state_fwd_kernel[(cdiv(V, cfg['BV']), N * H)](
         k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, HK=HK, K=K,
         V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
         USE_US=u_scale is not None, USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
@@ -553,7 +553,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    state_bwd_kernel[(triton.cdiv(V, cfg['BV']), N * H)](
+    state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, HK=HK, K=K,
         V=V,
         BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,

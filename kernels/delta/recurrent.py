@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks
 
 
 @triton.jit
@@ -49,12 +49,12 @@ def recurrent_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_
     V = v.shape[-1]
     plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
     cu, N = plan.cu_seqlens, plan.num_seqs
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(32 if BK <= 128 else 16, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_power_of_2(K))
+    BV = min(32 if BK <= 128 else 16, max(16, next_power_of_2(V)))
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    recurrent_delta_kernel[(triton.cdiv(V, BV), N * H)](
+    recurrent_delta_kernel[(cdiv(V, BV), N * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
         beta.contiguous(), o, h0, ht, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None,
         USE_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4 if BK * BV <= 4096 else 8)

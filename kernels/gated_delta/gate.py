@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import cdiv, next_power_of_2
 from ttr.kernels.gla.gate import log_sigmoid
 from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
@@ -77,9 +78,9 @@ class _GatedDeltaGateTriton(torch.autograd.Function):
         M, H = a2.shape
         g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
         beta = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-        BH = max(16, triton.next_power_of_2(H))
+        BH = max(16, next_power_of_2(H))
         if M:
-            _gate_fwd_kernel[(triton.cdiv(M, BLOCK_ROWS),)](a2, b2, A_log, dt_bias, g, beta, M, a2.stride(0),
+            _gate_fwd_kernel[(cdiv(M, BLOCK_ROWS),)](a2, b2, A_log, dt_bias, g, beta, M, a2.stride(0),
                                                             b2.stride(0), beta_scale, H=H, BH=BH, BM=BLOCK_ROWS)
         ctx.save_for_backward(a2, b2, A_log, dt_bias)
         ctx.shapes = a.shape, b.shape
@@ -90,8 +91,8 @@ class _GatedDeltaGateTriton(torch.autograd.Function):
     def backward(ctx, dg, dbeta):
         a2, b2, A_log, dt_bias = ctx.saved_tensors
         M, H = a2.shape
-        BH = max(16, triton.next_power_of_2(H))
-        n = triton.cdiv(M, BLOCK_ROWS)
+        BH = max(16, next_power_of_2(H))
+        n = cdiv(M, BLOCK_ROWS)
         da, db = torch.empty(M, H, dtype=a2.dtype, device=a2.device), torch.empty(M, H, dtype=b2.dtype, device=b2.device)
         parts = torch.zeros(2, max(n, 1), BH, dtype=torch.float32, device=a2.device)
         if M:

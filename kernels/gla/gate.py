@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.index import cdiv
 from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
 BLOCK = 2048
@@ -60,7 +61,7 @@ class _GLAGateTriton(torch.autograd.Function):
         n = z.numel()
         inv, clamp = 1.0 / normalizer, clamp_min if clamp_min is not None else 0.0
         if n:
-            _gate_fwd_kernel[(triton.cdiv(n, BLOCK),)](z, g, n, inv, clamp, CLAMP=clamp_min is not None, BLOCK=BLOCK,
+            _gate_fwd_kernel[(cdiv(n, BLOCK),)](z, g, n, inv, clamp, CLAMP=clamp_min is not None, BLOCK=BLOCK,
                                                        num_warps=8)
         ctx.save_for_backward(z)
         ctx.args = inv, clamp, clamp_min is not None
@@ -73,7 +74,7 @@ class _GLAGateTriton(torch.autograd.Function):
         dz = torch.empty_like(z)
         n = z.numel()
         if n:
-            _gate_bwd_kernel[(triton.cdiv(n, BLOCK),)](z, dg.contiguous(), dz, n, inv, clamp, CLAMP=has_clamp,
+            _gate_bwd_kernel[(cdiv(n, BLOCK),)](z, dg.contiguous(), dz, n, inv, clamp, CLAMP=has_clamp,
                                                        BLOCK=BLOCK, num_warps=8)
         return dz, None, None
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import prepare_chunks
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks
 from ttr.kernels.gla.reference import check_gla_inputs, recurrence
 from ttr.kernels.utils import kernel_backend, on_input_device
 
@@ -61,9 +61,9 @@ def recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_s
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
     h0 = None if initial_state is None else initial_state.contiguous()
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), 32 if BK >= 128 else 64)
-    recurrent_kernel[(triton.cdiv(V, BV), N * H)](
+    BK = max(16, next_power_of_2(K))
+    BV = min(max(16, next_power_of_2(V)), 32 if BK >= 128 else 64)
+    recurrent_kernel[(cdiv(V, BV), N * H)](
         q, k, v, g, o, h0, ht, plan.cu_seqlens, scale, H=H, K=K, V=V, BK=BK, BV=BV, VECTOR_GATE=g.dim() == 4,
         USE_H0=h0 is not None, STORE_HT=output_final_state)
     return o, ht

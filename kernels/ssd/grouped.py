@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, block_size, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -281,7 +281,7 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
     BV = block_size(P, 128)
     cfg = tuned("ssd_output_fwd", BK=block_size(N, 128 if BV <= 64 else 64), BV=BV,
                 num_warps=4 if BV <= 64 else 8, num_stages=3)
-    output_fwd_kernel[(triton.cdiv(P, cfg["BV"]), plan.num_chunks, H)](
+    output_fwd_kernel[(cdiv(P, cfg["BV"]), plan.num_chunks, H)](
         C, x, dt, h, cb, g, D, o, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
         HAS_D=D is not None, **cfg)
     return o
@@ -308,7 +308,7 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
                                                                          num_warps=2, num_stages=3))
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
-    NK = triton.cdiv(N, cfg["BK"])
+    NK = cdiv(N, cfg["BK"])
     # per N block: dy·y^inter without exp(G) [NK, B, T, H] and <h, dh> [NK, NT, H], fp32
     ydo = dt.new_empty(NK, *dt.shape, dtype=torch.float32)
     hdh = dt.new_empty(NK, plan.num_chunks, H, dtype=torch.float32)
@@ -335,7 +335,7 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2)
     rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                              dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
-                             BT=plan.chunk_size, BP=max(16, triton.next_power_of_2(P)), NK=ydo.shape[0],
+                             BT=plan.chunk_size, BP=max(16, next_power_of_2(P)), NK=ydo.shape[0],
                              HAS_D=D is not None, **cfg)
     sums = shares.sum(1)
     return dx, ddt, sums[0], None if D is None else sums[1]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import block_size, prepare_chunks
+from ttr.kernels.common.index import block_size, cdiv, next_power_of_2, prepare_chunks, sm_count
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd
 
@@ -41,6 +42,14 @@ def reference_states(k, v, g, gk, h0, B, T, cu, chunk=64):
             S = S + k[b, t][:, :, None] * v[b, t][:, None, :]
         finals.append(S)
     return torch.stack(starts), torch.stack(finals)
+
+
+def test_host_launch_arithmetic_is_tritons():
+    """The launchers' int helpers give what Triton's constexpr functions give, without their cost."""
+    assert [next_power_of_2(n) for n in range(-3, 300)] == [triton.next_power_of_2(n) for n in range(-3, 300)]
+    for b in (1, 3, 16, 64):
+        assert [cdiv(a, b) for a in range(-5, 200)] == [triton.cdiv(a, b) for a in range(-5, 200)]
+    assert sm_count(torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)

@@ -6,7 +6,6 @@ scalar gate, the per-key gate and no gate; Triton under the interpreter."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -250,8 +249,7 @@ def test_walk_launch_heuristic(monkeypatch):
     backward's wide tiles; the scalar gate's backward at K <= 64 on 8 warps and BV <= 32 while
     fewer than two programs of BV = 64 per SM (SSD at N = 64: 64 and 128 (sequence, head) pairs),
     and not with w, a vector gate, K = 128 or a full grid."""
-    monkeypatch.setattr(state.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
-        multi_processor_count=132))
+    monkeypatch.setattr(state, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
 
     def blocks(K, V, programs, backward, walk):  # (BV, warps, stages)
