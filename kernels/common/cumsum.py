@@ -48,10 +48,7 @@ def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = Fals
                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """``g``: ``[B,T,H]`` or ``[B,T,H,K]``; ``scale``: ``[H]`` fp32 factors or None; returns fp32 of g's shape."""
     g = g.contiguous()
-    head_cols = g.dim() == 3
-    # a scalar gate's heads are the tile's columns: at Mamba2-1.3B's 64 heads one program per chunk
-    # reads 64 contiguous rows of 256 bytes, where one program per chunk and head read 64 values
-    # 256 bytes apart
+    head_cols = g.dim() == 3  # a scalar gate: its heads are the tile's columns (module docstring)
     H, K = (1, g.shape[2]) if head_cols else g.shape[2:]
     BK = min(next_power_of_2(K), 64)
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)

@@ -144,7 +144,7 @@ def _build_packing(host: torch.Tensor, device, chunk_size: int) -> Packing:
     # kernel on the alignment of its pointers, so views at other offsets would compile variants.
     starts = [0]
     for part in parts:
-        starts.append(starts[-1] + -(-part.numel() // 4) * 4)
+        starts.append(starts[-1] + cdiv(part.numel(), 4) * 4)
     buf = torch.zeros(starts[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
     for part, start in zip(parts, starts):
         buf[start : start + part.numel()] = part
@@ -254,7 +254,7 @@ def sm_count(device: torch.device) -> int:
 def block_size(n: int, cap: int) -> int:
     """A tile's size along a dimension of ``n``: the next power of two, at least 16 (``tl.dot``'s
     smallest) and at most ``cap``."""
-    return min(cap, max(16, 1 << max(0, n - 1).bit_length()))
+    return min(cap, max(16, next_power_of_2(n)))
 
 
 def tuned(stage: str, **defaults) -> dict:

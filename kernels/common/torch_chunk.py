@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ttr.kernels.common.index import CHUNK_SIZE, prepare_packing
+from ttr.kernels.common.index import CHUNK_SIZE, cdiv, prepare_packing
 
 
 def _pack_index(cu_seqlens, B: int, T: int, chunk: int, device):
@@ -39,7 +39,7 @@ def _pack_index(cu_seqlens, B: int, T: int, chunk: int, device):
         packing = prepare_packing(cu_seqlens, T, device=device)
         cu = packing.cu_seqlens.long()
         starts, lens, longest = cu[:-1], cu[1:] - cu[:-1], packing.max_len
-    L = max(chunk, -(-longest // chunk) * chunk)
+    L = max(chunk, cdiv(longest, chunk) * chunk)
     pos = torch.arange(L, device=device)
     idx = torch.where(pos[None, :] < lens[:, None], starts[:, None] + pos[None, :], -1)
     return idx, L
