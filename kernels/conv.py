@@ -220,7 +220,7 @@ def _token_span(seq_idx, cu, t, T, IS_VARLEN: tl.constexpr):
         i_n = tl.load(seq_idx + tl.minimum(tl.maximum(t, 0), T - 1))
         return i_n, tl.load(cu + i_n).to(tl.int32), tl.load(cu + i_n + 1).to(tl.int32)
     else:
-        # tensors like the packed case's, so the walk's prefetched values keep one type in its loop
+        # values of t's type, as the packed case returns, so the walk's four fetched tokens unpack alike
         return t * 0, t * 0, t * 0 + T
 
 
@@ -293,7 +293,7 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
 def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, cu, T, D, s_xb, s_xt, NS, eps,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
                      IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, SEG: tl.constexpr,
-                     BD: tl.constexpr, PREFETCH: tl.constexpr = True):
+                     BD: tl.constexpr):
     """The whole backward in one pass: each program walks SEG tokens of BD channels from the last
     token down, so every token's da is formed once and kept in registers for the W-1 tokens before
     it, and x, dy and dx pass through memory once (6 bytes per element in bf16; two passes with da
@@ -332,24 +332,13 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
     b_dw3 = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
     # four tokens per step, their rows loaded first: the stores of dx would otherwise keep the
-    # next token's loads from being issued before them; with PREFETCH the next step's rows are
-    # loaded before this step's tokens, so their latency overlaps this step's work
-    f_a = _fetch(x, dy, seq_idx, cu, t0, i_b, o_d, D, T, s_xt, IS_VARLEN)
-    f_b = _fetch(x, dy, seq_idx, cu, t0 - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
-    f_c = _fetch(x, dy, seq_idx, cu, t0 - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
-    f_d = _fetch(x, dy, seq_idx, cu, t0 - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
+    # next token's loads from being issued before them
     for k in range(0, t0 - t_lo + 1, 4):
         t = t0 - k
-        if PREFETCH:
-            n_a = _fetch(x, dy, seq_idx, cu, t - 4, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            n_b = _fetch(x, dy, seq_idx, cu, t - 5, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            n_c = _fetch(x, dy, seq_idx, cu, t - 6, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            n_d = _fetch(x, dy, seq_idx, cu, t - 7, i_b, o_d, D, T, s_xt, IS_VARLEN)
-        else:
-            f_a = _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            f_b = _fetch(x, dy, seq_idx, cu, t - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            f_c = _fetch(x, dy, seq_idx, cu, t - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
-            f_d = _fetch(x, dy, seq_idx, cu, t - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        f_a = _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        f_b = _fetch(x, dy, seq_idx, cu, t - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        f_c = _fetch(x, dy, seq_idx, cu, t - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        f_d = _fetch(x, dy, seq_idx, cu, t - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
         for u in tl.static_range(4):
             if u == 0:
                 b_xn, b_dy, i_n, bos, eos = f_a
@@ -374,8 +363,6 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
             b_db += b_gi
             b_d3, b_d2, b_d1 = b_d2, b_d1, b_g
             b_x0, b_x1, b_x2 = b_x1, b_x2, b_xn
-        if PREFETCH:
-            f_a, f_b, f_c, f_d = n_a, n_b, n_c, n_d
     i_p = (i_b * NS + i_s).to(tl.int64)
     tl.store(dw + (i_p * W + (W - 1)) * D + o_d, b_dw0, mask=m_d)
     tl.store(dw + (i_p * W + (W - 2)) * D + o_d, b_dw1, mask=m_d)
@@ -432,19 +419,19 @@ def _launch_fwd(t: int, d: int, l2: int) -> dict:
 
 
 def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
-    """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels. On an
-    H200 at B = 8, T = 4096 (bf16, ``bench_fused --sweep``): walks of 256 tokens on one warp, 128
-    channels, were within 2 % of the best at D = 2048 with the per-head norm (0.222 ms, against
-    0.396 for the two-pass backward before), D = 4096 (0.292 against 0.692) and Mamba2's xBC
-    (D = 4352, 0.373 - 0.39 against 0.786). Walks of 128 tokens took 3 - 4 % longer. Prefetching
-    the next four tokens' rows gained 3 - 10 % without the norm and cost 10 - 15 % with it, except
-    in packed input, where each token's document is two dependent loads more: 0.336 -> 0.279 ms
-    with the norm, 0.184 -> 0.178 without (1 x 32768 tokens in 15 documents, D = 2048)."""
+    """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels, one
+    warp each. On an H200 at B = 8, T = 4096 and at 32,768 tokens packed (bf16, the presets' convs):
+    walks of 256 tokens of 128 channels were within 2 % of the best of SEG 128 - 512 at D = 2048
+    with the per-head norm, D = 4096 and Mamba2's xBC (D = 4352). A register cap (``maxnreg``) that
+    lets more walks share an SM pays where the walk's integer work is larger: packed input (each
+    token's document is two dependent loads) and xBC's wider rows read in place; with the norm on
+    unpacked input, the walk's own 168 registers are faster. Loading the next step's rows ahead
+    of the current one gained only without the cap, and less than the cap gives."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:
-        cfg = tuned("conv_bwd", SEG=256, BD=min(128, next_power_of_2(d)), num_warps=1,
-                    PREFETCH=packed or l2 == 0)
+        cap = {"maxnreg": 120} if packed else {} if l2 else {"maxnreg": 128}
+        cfg = tuned("conv_bwd", SEG=256, BD=min(128, next_power_of_2(d)), num_warps=1, **cap)
     return {**cfg, "BD": max(cfg["BD"], l2)}
 
 

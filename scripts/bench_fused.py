@@ -51,8 +51,9 @@ SECTIONS = ("loss", "conv", "norm", "proj")
 CONV_SWEEP = {
     "conv_fwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 256), (32, 128), (32, 256), (64, 64),
                  (64, 128), (128, 64), (128, 128)) for nw in (2, 4, 8)],
-    "conv_bwd": [dict(SEG=seg, BD=bd, num_warps=nw, PREFETCH=pf) for seg in (128, 256, 512)
-                 for bd, nw in ((128, 1), (128, 2), (256, 2), (256, 4)) for pf in (False, True)],
+    "conv_bwd": [dict(SEG=seg, BD=bd, num_warps=nw, **cap) for seg in (128, 256, 512)
+                 for bd, nw in ((128, 1), (128, 2), (256, 2), (256, 4))
+                 for cap in ({}, {"maxnreg": 120}, {"maxnreg": 128})],
 }
 NORM_SWEEP = {
     "norm_fwd": [dict(ELEMS=e, num_warps=nw) for e in (2048, 4096, 8192) for nw in (4, 8, 16)],

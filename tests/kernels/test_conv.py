@@ -75,16 +75,15 @@ def test_conv_packed(backend, w, h0):
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias, prefetch):
+def test_conv_backward_small_blocks(backend, monkeypatch, activation, with_bias):
     """The forward in blocks of 16 tokens by 16 channels, the backward in walks of 7 tokens by 16
-    channels, with and without its prefetch (``index.TUNING``): packed documents shorter than W and
+    channels (``index.TUNING``): packed documents shorter than W and
     across walk edges, 40 channels (a partial block), initial states and the final state's
     gradient; the walk's carried gradients stop at every document's end and start again at each
     walk's edge, its taps read the state before every start, and its per-walk dw partial sums are
     reduced over many walks."""
     monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
-    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 7, "BD": 16, "PREFETCH": prefetch})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 7, "BD": 16})
     lens = [2, 17, 1, 0, 3, 30, 4, 14]  # T = 71, not a multiple of the block
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
     x, weight, bias, h0 = make(1, sum(lens), 40, 4, n=len(lens))
@@ -103,12 +102,10 @@ def test_conv_l2_groups(backend, activation, group, packed):
     check(x, weight, bias, h0, activation=activation, cu_seqlens=cu if packed else None, l2_group=group)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_conv_l2_group_wider_than_the_block(backend, monkeypatch, prefetch):
-    """A tuned block narrower than the group still holds whole groups; the backward's walk with
-    and without its prefetch (the GPU default differs with and without the norm)."""
+def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
+    """A tuned block narrower than the group still holds whole groups."""
     monkeypatch.setitem(TUNING, "conv_fwd", {"BT": 16, "BD": 16})
-    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16, "PREFETCH": prefetch})
+    monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16})
     x, weight, bias, h0 = make(2, 37, 64, 4)
     check(x, weight, bias, h0, activation="silu", l2_group=32)
 
@@ -253,7 +250,7 @@ def test_conv_gpu(monkeypatch, dtype, w):
 @pytest.mark.parametrize("packed", [False, True])
 def test_conv_l2_gpu(monkeypatch, dtype, packed):
     """The fused per-head L2 norm of the delta rules' q and k (128 channels) at a real size, packed
-    and in a batch (the backward's walk prefetches in one case and not in the other)."""
+    and in a batch (the backward launches with a register cap in one case and not in the other)."""
     tol = 5e-3 if dtype == torch.float32 else 1e-2
     lens = [1, 3, 1000, 4096, 2092]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
