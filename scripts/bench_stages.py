@@ -224,8 +224,11 @@ SWEEPS = {
                          for ns in (1, 2, 3)],
         "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
                    for ns in (1, 2, 3)],
-        "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"],
-        "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"],
+        # and narrower value blocks, for the walks of few long sequences (B*H = 64 at 1 x 16384)
+        "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"]
+        + [dict(two_level=False, BV=16, num_warps=nw, num_stages=3) for nw in (2, 4)],
+        "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"]
+        + [dict(two_level=False, BV=16, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (2, 3)],
     },
     "simple_gla": {
         # BK 32 is left out: an illegal memory access on Hopper (Triton 3.6), not reproduced by the interpreter
@@ -238,6 +241,21 @@ SWEEPS = {
         "state_bwd": [dict(two_level=False), dict(two_level=True)],
     },
 }
+
+# Every kernel stage's default launch under a register cap (``maxnreg``): at 4 warps, 168 registers
+# let 3 programs share an SM and 128 let 4, where a kernel compiled to 255 fits 2.
+REG_CAPS = (128, 168)
+CAPPED_STAGES = {
+    "gated_delta": ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd"),
+    "delta": ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd"),
+    "gla": ("state_fwd", "state_bwd", "vector_gate_scores", "vector_gate_output", "vector_gate_intra_bwd",
+            "vector_gate_bwd_dqkg"),
+    "ssd": ("state_fwd", "state_bwd", "ssd_cb", "ssd_output_fwd", "ssd_scores_grad", "ssd_output_bwd_dcb",
+            "ssd_rows_bwd"),
+}
+SWEEPS = {op: {**sweep, **{stage: sweep.get(stage, []) + [dict(maxnreg=r) for r in REG_CAPS]
+                           for stage in CAPPED_STAGES.get(op, ())}}
+          for op, sweep in SWEEPS.items()}
 
 
 def sweep_stages(parser, value: str | None, ops: list[str]) -> set[str] | None:

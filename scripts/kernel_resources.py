@@ -42,7 +42,7 @@ _LAUNCHES: dict[tuple, int] = {}
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
            "int64": "i64", "int8": "i8", "uint8": "u8", "bool": "i1"}
-_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 def _arg_type(value) -> str | None:

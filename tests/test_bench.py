@@ -92,8 +92,17 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
 def test_bench_kernels_sweeps_the_named_stages_only():
     parser = bench_kernels.argparse.ArgumentParser()
     assert bench_stages.sweep_stages(parser, None, ["ssd"]) is None
-    assert bench_stages.sweep_stages(parser, "all", ["delta"]) == set(bench_stages.DELTA_SWEEP)
+    assert bench_stages.sweep_stages(parser, "all", ["delta"]) == set(bench_stages.SWEEPS["delta"]) > set(bench_stages.DELTA_SWEEP)
     assert bench_stages.sweep_stages(parser, "state_bwd,wy_fwd", ["ssd", "delta"]) == {"state_bwd", "wy_fwd"}
+
+
+def test_every_capped_stage_is_swept_under_each_register_cap():
+    """The register caps join each named stage's own alternatives (none of the shared lists grows)."""
+    for op, stages in bench_stages.CAPPED_STAGES.items():
+        for stage in stages:
+            caps = [c["maxnreg"] for c in bench_stages.SWEEPS[op][stage] if set(c) == {"maxnreg"}]
+            assert caps == list(bench_stages.REG_CAPS), (op, stage)
+    assert all("maxnreg" not in c for c in bench_stages.DELTA_SWEEP["wy_fwd"])
 
 
 def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
