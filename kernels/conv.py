@@ -220,7 +220,7 @@ def _token_span(seq_idx, cu, t, T, IS_VARLEN: tl.constexpr):
         i_n = tl.load(seq_idx + tl.minimum(tl.maximum(t, 0), T - 1))
         return i_n, tl.load(cu + i_n).to(tl.int32), tl.load(cu + i_n + 1).to(tl.int32)
     else:
-        # values of t's type, as the packed case returns, so the walk's four fetched tokens unpack alike
+        # tensors of t's type, as the packed case returns: the walk casts the id (``.to``)
         return t * 0, t * 0, t * 0 + T
 
 
@@ -420,13 +420,14 @@ def _launch_fwd(t: int, d: int, l2: int) -> dict:
 
 def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels, one
-    warp each. On an H200 at B = 8, T = 4096 and at 32,768 tokens packed (bf16, the presets' convs):
-    walks of 256 tokens of 128 channels were within 2 % of the best of SEG 128 - 512 at D = 2048
-    with the per-head norm, D = 4096 and Mamba2's xBC (D = 4352). A register cap (``maxnreg``) that
-    lets more walks share an SM pays where the walk's integer work is larger: packed input (each
-    token's document is two dependent loads) and xBC's wider rows read in place; with the norm on
-    unpacked input, the walk's own 168 registers are faster. Loading the next step's rows ahead
-    of the current one gained only without the cap, and less than the cap gives."""
+    warp each. On an H200 at B = 8, T = 4096 and at 32,768 tokens packed (bf16, the presets' convs,
+    ``bench_fused --sweep``): walks of 256 tokens of 128 channels were the fastest length for q and
+    k and for xBC (D = 4352), and within 4 - 6 % of 352 or 512 tokens for v. A register cap
+    (``maxnreg``) that lets more walks share an SM pays where the walk's integer work is larger:
+    packed input (each token's document is two dependent loads; 0.280 -> 0.237 ms for q and k) and
+    xBC's wider rows read in place (0.436 -> 0.396); with the norm on unpacked input the walk's own
+    168 registers are faster (0.224 against 0.235). Loading the next step's rows ahead of the
+    current one, which the walk did before, lost to the cap in every case but v packed (2 %)."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:

@@ -546,10 +546,10 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True,
-                                                         _walk(w, gk))
+    walk = _walk(w, gk)
+    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True, walk)
     cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
-    if _walk(w, gk) == "scalar" and not split:
+    if walk == "scalar" and not split:
         # a register cap lets more of the walk's programs share an SM, which pays where few walk
         # long sequences: SSD (H = 64, V = 64) at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 ->
         # 0.173 at K = 64, unchanged at 8 x 2048 (H200); the delta rules' and GLA's walks lose
