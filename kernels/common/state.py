@@ -379,7 +379,12 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     K = V = 64, bf16: 0.183 against 0.217 ms at 1 x 16384 (BV 32 on 4 warps before) and 0.134
     against 0.144 at 2 x 8192 (BV 64 on 4), where at 8 x 2048 (512 programs) BV 64 on 4 warps stays
     ahead (0.091 against 0.114); at K = 128 the 8-warp launch measured no better (0.266 against
-    0.261 ms at 1 x 16384)."""
+    0.261 ms at 1 x 16384). That backward (a scalar gate, any K up to 128) also launches under a
+    register cap of 168, which lets more of its programs share an SM and pays where few walk long
+    sequences: SSD (H = 64, V = 64) at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 -> 0.173 at
+    K = 64, unchanged at 8 x 2048 (H200); the delta rules' and GLA's walks lose under it.
+
+    Returns ``(BK, split, launch)``, the launch a dict of BV, num_warps, num_stages (and maxnreg)."""
     split = K > 128
     BK = 128 if split else max(16, next_power_of_2(K))
     KP = 2 * BK if split else BK
@@ -388,7 +393,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     while BV > 16 and programs_per_vblock * cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:
-        return BK, 64, 4, 1, split
+        return BK, split, dict(BV=64, num_warps=4, num_stages=1)
     num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta" and KP >= 128) else 4
     if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * cdiv(V, 64) < 2 * sms:
         BV, num_warps = min(BV, 32), 8
@@ -396,7 +401,17 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
     if not backward and walk == "vector" and num_warps == 8:
         num_stages = min(num_stages, 2)
-    return BK, BV, num_warps, num_stages, split
+    cap = {"maxnreg": 168} if backward and walk == "scalar" else {}
+    return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
+
+
+def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str):
+    """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd" / "state_bwd"):
+    ``_state_blocks``' heuristic, with ``TUNING[stage]`` over it and the one wrong launch refused
+    (``_checked``), except for the split state's single launch."""
+    BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
+                                   stage == "state_bwd", walk)
+    return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))
 
 
 def _checked(cfg: dict, elem: int) -> dict:
@@ -514,10 +529,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), False,
-                                                         _walk(w, gk))
-    cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
-    cfg = cfg if split else _checked(_sequential_cfg("state_fwd", **cfg), k.element_size())
+    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk))
     h = k.new_empty(plan.num_chunks, H, K, V)
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -546,15 +558,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    walk = _walk(w, gk)
-    BK, BV, num_warps, num_stages, split = _state_blocks(K, V, N * H, k.device, k.element_size(), True, walk)
-    cfg = dict(BV=BV, num_warps=num_warps, num_stages=num_stages)
-    if walk == "scalar" and not split:
-        # a register cap lets more of the walk's programs share an SM, which pays where few walk
-        # long sequences: SSD (H = 64, V = 64) at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 ->
-        # 0.173 at K = 64, unchanged at 8 x 2048 (H200); the delta rules' and GLA's walks lose
-        cfg["maxnreg"] = 168
-    cfg = cfg if split else _checked(_sequential_cfg("state_bwd", **cfg), k.element_size())
+    BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk))
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None

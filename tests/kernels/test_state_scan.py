@@ -253,7 +253,10 @@ def test_walk_launch_heuristic(monkeypatch):
     cuda = torch.device("cuda")
 
     def blocks(K, V, programs, backward, walk):  # (BV, warps, stages)
-        return state._state_blocks(K, V, programs, cuda, 2, backward, walk)[1:4]
+        cfg = state._state_blocks(K, V, programs, cuda, 2, backward, walk)[2]
+        # the register cap: the scalar gate's backward only
+        assert cfg.get("maxnreg") == (168 if backward and walk == "scalar" and K <= 128 else None)
+        return cfg["BV"], cfg["num_warps"], cfg["num_stages"]
 
     assert blocks(64, 64, 64, True, "scalar") == (32, 8, 3)
     assert blocks(64, 64, 128, True, "scalar") == (32, 8, 3)
