@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -206,7 +206,7 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
         # the wider program measured slower than two K blocks on 4 warps (H100, BT = 64, K = V = 128:
         # delta 0.345 against 0.387 ms, gated delta 0.443 against 0.399, simple GLA 0.428 against
         # 0.394, at 16 heads and 8 x 2048 tokens)
-        cfg = tuned("output_bwd_dqk", BK=max(16, next_power_of_2(K)), BV=BV, num_warps=8,
+        cfg = tuned("output_bwd_dqk", BK=block_size(K, 128), BV=BV, num_warps=8,
                     num_stages=2 if q.element_size() == 4 else 3)
     else:
         cfg = tuned("output_bwd_dqk", BK=BK, BV=BV, num_stages=2 if q.element_size() == 4 else 3)

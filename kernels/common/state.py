@@ -386,7 +386,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
 
     Returns ``(BK, split, launch)``, the launch a dict of BV, num_warps, num_stages (and maxnreg)."""
     split = K > 128
-    BK = 128 if split else max(16, next_power_of_2(K))
+    BK = 128 if split else block_size(K, 128)
     KP = 2 * BK if split else BK
     sms = sm_count(device)
     BV = block_size(V, 64)
