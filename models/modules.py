@@ -209,21 +209,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return l2_norm(x, eps=eps)
 
 
-def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021, arXiv:2104.09864), rotate-half layout.
-
-    x ``[B, T, H, D]``, position_ids ``[B, T]`` (or ``[1, T]``); computed in fp32.
-    """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None]
-    xf = x.float()
-    rotated = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 class ShortConv(nn.Module):
     """Depthwise causal convolution of width ``W`` with SiLU, through ``ttr.kernels.conv``.
 

@@ -16,6 +16,9 @@ the inputs):
   norm   ttr rms_norm / gated_rms_norm (Triton) vs their torch backend; the residual add + norm
          of a pre-norm block (fp32 stream, bf16 branch) as an add then rms_norm, and fused;
          ``--sweep`` times the norm kernels at NORM_SWEEP's launches (``norm_fwd``, ``norm_bwd``).
+  rope   rotary embedding of an attention layer's q and k at the 1.3B presets' shape (B = 8,
+         T = tokens / 8, the transformer's heads), the angle tables included: ttr ``rotary``
+         (Triton) vs its torch backend (the formula in torch ops) and fla's ``rotary_embedding``.
   proj   the projections whose input the backward forms again, at the 1.3B presets' shapes (read
          off the models): each mixer's output norm and o_proj (``norm_linear``) and the MLP's
          SwiGLU product and down_proj (``swiglu_linear``), against the op and then the module,
@@ -27,6 +30,7 @@ the inputs):
     python -m ttr.scripts.bench_fused --only conv --sweep
     python -m ttr.scripts.bench_fused --only norm --sweep
     python -m ttr.scripts.bench_fused --only proj
+    python -m ttr.scripts.bench_fused --only rope
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ from ttr.kernels.common.index import prepare_packing
 from ttr.kernels.conv import causal_conv1d, conv_bwd, conv_fwd
 from ttr.kernels.loss import linear_cross_entropy
 from ttr.kernels.norm import gated_rms_norm, norm_linear, residual_rms_norm, rms_norm
+from ttr.kernels.rotary import rope_tables, rotary
 from ttr.kernels.swiglu import swiglu, swiglu_linear
 from ttr.kernels.utils import backend_override
 from ttr.models.presets import get_preset
 from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
 
-SECTIONS = ("loss", "conv", "norm", "proj")
+SECTIONS = ("loss", "conv", "norm", "rope", "proj")
 CONV_SWEEP = {
     "conv_fwd": [dict(BT=bt, BD=bd, num_warps=nw) for bt, bd in ((16, 256), (32, 128), (32, 256), (64, 64),
                  (64, 128), (128, 64), (128, 128)) for nw in (2, 4, 8)],
@@ -310,6 +315,34 @@ def bench_norm(args, dtype):
     bench_residual_norm(args, dtype)
 
 
+def bench_rope(args, dtype, preset="transformer-1.3b"):
+    cfg = get_preset(preset)
+    b, t, h, d = 8, args.tokens // 8, cfg.attn_num_heads, cfg.attn_head_dim
+    theta = cfg.rope_theta
+    q = torch.randn(b, t, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, t, cfg.attn_num_kv_heads, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    pos = torch.arange(t, device=DEVICE)[None]
+    header(f"rope: q and k of {preset}'s attention, B={b}, T={t}, H={h}, D={d}, {dtype}, tables included")
+
+    def ttr_rope():
+        cos, sin = rope_tables(pos, d, theta)
+        return rotary(q, cos, sin), rotary(k, cos, sin)
+
+    for backend in ("triton", "torch"):
+        row(f"ttr rotary [{backend}]", *measure(with_backend(backend, ttr_rope), (q, k), args.reps, args.warmup,
+                                                 with_peak=True))
+    try:
+        from fla.modules.rotary import rotary_embedding
+
+        def fla_rope():
+            cos, sin = (tab[0] for tab in rope_tables(pos, d, theta))  # fla takes [T, D/2] tables
+            return rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
+
+        row("fla rotary_embedding", *measure(fla_rope, (q, k), args.reps, args.warmup, with_peak=True))
+    except Exception as err:  # fla is optional; say why the row is missing
+        print(f"(fla rotary_embedding row skipped: {type(err).__name__}: {err})")
+
+
 def preset_projections(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[dict]:
     """The first block's projections whose input the backward forms again, read off each model
     built on the meta device: the mixer's output norm before o_proj / out_proj (per-head width D,
@@ -417,7 +450,7 @@ def main(argv=None):
         raise SystemExit("bench_fused needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
     describe()
-    sections = {"loss": bench_loss, "conv": bench_conv, "norm": bench_norm, "proj": bench_proj}
+    sections = {"loss": bench_loss, "conv": bench_conv, "norm": bench_norm, "rope": bench_rope, "proj": bench_proj}
     for name in args.only:
         sections[name](args, dtype)
         torch.cuda.empty_cache()

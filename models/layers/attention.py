@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from ttr.kernels.attention import attention
+from ttr.kernels.rotary import rope_tables, rotary
 
-from ..modules import ShortConv, apply_rotary, linear, linears, run_short_convs
+from ..modules import ShortConv, linear, linears, run_short_convs
 from .base import Mixer
 
 
@@ -128,8 +129,10 @@ class Attention(Mixer):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.config.rope_theta is not None:
-            q = apply_rotary(q, position_ids, self.config.rope_theta)
-            k = apply_rotary(k, position_ids, self.config.rope_theta)
+            # one table of angles for q and k, in fp32 (float64 for a float64 model)
+            dtype = torch.promote_types(q.dtype, torch.float32)
+            cos, sin = rope_tables(position_ids, self.head_dim, self.config.rope_theta, dtype)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if layer_cache is not None and "k" in layer_cache:
             k = torch.cat([layer_cache["k"], k], dim=1)
             v = torch.cat([layer_cache["v"], v], dim=1)
