@@ -32,6 +32,7 @@ if __name__ == "ttr.kernels":
         reference_rms_norm,
         rms_norm,
     )
+    from ttr.kernels.rotary import reference_rotary, rope_tables, rotary
     from ttr.kernels.ssd import (
         chunk_conv_ssd,
         chunk_simple_gla,
@@ -74,9 +75,12 @@ __all__ = [
     "reference_l2_norm",
     "reference_linear_cross_entropy",
     "reference_rms_norm",
+    "reference_rotary",
     "reference_simple_gla",
     "reference_ssd",
     "reference_swiglu",
     "rms_norm",
+    "rope_tables",
+    "rotary",
     "swiglu",
 ]

@@ -93,9 +93,17 @@ class _Rotary(torch.autograd.Function):
 
 
 def rope_tables(position_ids: torch.Tensor, dim: int, theta: float, dtype: torch.dtype = torch.float32):
-    """``(cos, sin)`` of the angles ``position_ids[..., None] * theta^(-2i/dim)``, i < dim / 2:
-    ``[P, T, dim/2]`` in ``dtype`` (fp32, or float64 for a float64 oracle) for position_ids
-    ``[P, T]``."""
+    """The cos and sin tables of the angles ``position_ids[..., None] * theta^(-2i/dim)``, i < dim / 2.
+
+    Args:
+        position_ids: ``[P, T]`` integers (P = 1: the same positions in every row).
+        dim: the head dim D (even).
+        theta: the base of the frequencies (``rope_theta``).
+        dtype: fp32, or float64 for a float64 oracle.
+
+    Returns:
+        ``(cos, sin)``, each ``[P, T, dim/2]`` in ``dtype`` on position_ids' device.
+    """
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         raise ValueError("position_ids must be a [B, T] or [1, T] tensor")
     if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex:
@@ -150,8 +158,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Oracle: the rotation of each pair as a 2 x 2 matrix product, in float64 for a float64 x
-    (else fp32), cast back to x's dtype; differentiable."""
+    """Oracle: the rotation of each pair as a 2 x 2 matrix product.
+
+    Args:
+        x, cos, sin: as in ``rotary``.
+
+    Returns:
+        x's shape and dtype, computed in float64 for a float64 x (else fp32); differentiable.
+    """
     _check(x, cos, sin)
     dt = torch.promote_types(x.dtype, torch.float32)
     c, s = cos.to(dt)[:, :, None], sin.to(dt)[:, :, None]

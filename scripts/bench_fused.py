@@ -50,7 +50,7 @@ from ttr.kernels.rotary import rope_tables, rotary
 from ttr.kernels.swiglu import swiglu, swiglu_linear
 from ttr.kernels.utils import backend_override
 from ttr.models.presets import get_preset
-from ttr.scripts.bench_utils import peak_mib, time_ms, time_stages
+from ttr.scripts.bench_utils import gpu_ms, peak_mib, time_ms, time_stages
 
 SECTIONS = ("loss", "conv", "norm", "rope", "proj")
 CONV_SWEEP = {
@@ -316,31 +316,39 @@ def bench_norm(args, dtype):
 
 
 def bench_rope(args, dtype, preset="transformer-1.3b"):
+    """The wall-clock columns of an op this short are mostly its host's time (the angle tables are
+    six small torch ops); the GPU column times the kernels alone (``gpu_ms``)."""
     cfg = get_preset(preset)
     b, t, h, d = 8, args.tokens // 8, cfg.attn_num_heads, cfg.attn_head_dim
     theta = cfg.rope_theta
     q = torch.randn(b, t, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(b, t, cfg.attn_num_kv_heads, d, device=DEVICE, dtype=dtype, requires_grad=True)
     pos = torch.arange(t, device=DEVICE)[None]
-    header(f"rope: q and k of {preset}'s attention, B={b}, T={t}, H={h}, D={d}, {dtype}, tables included")
+    print(f"\nrope: q and k of {preset}'s attention, B={b}, T={t}, H={h}, D={d}, {dtype}, tables included")
+    print(f"| {'op':<28} | {'fwd ms':>8} | {'f+b ms':>8} | {'f+b GPU ms':>10} | {'peak MiB':>10} |")
+    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 10}|{'-' * 12}|{'-' * 12}|", flush=True)
 
     def ttr_rope():
         cos, sin = rope_tables(pos, d, theta)
         return rotary(q, cos, sin), rotary(k, cos, sin)
 
-    for backend in ("triton", "torch"):
-        row(f"ttr rotary [{backend}]", *measure(with_backend(backend, ttr_rope), (q, k), args.reps, args.warmup,
-                                                 with_peak=True))
-    try:
+    def fla_rope():
         from fla.modules.rotary import rotary_embedding
 
-        def fla_rope():
-            cos, sin = (tab[0] for tab in rope_tables(pos, d, theta))  # fla takes [T, D/2] tables
-            return rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
+        # fla takes [T, D/2] tables in x's dtype
+        cos, sin = (tab[0].to(dtype) for tab in rope_tables(pos, d, theta))
+        return rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
 
-        row("fla rotary_embedding", *measure(fla_rope, (q, k), args.reps, args.warmup, with_peak=True))
-    except Exception as err:  # fla is optional; say why the row is missing
-        print(f"(fla rotary_embedding row skipped: {type(err).__name__}: {err})")
+    for name, fn in (("ttr rotary [triton]", with_backend("triton", ttr_rope)),
+                     ("ttr rotary [torch]", with_backend("torch", ttr_rope)), ("fla rotary_embedding", fla_rope)):
+        try:
+            fwd, fwd_bwd, peak = measure(fn, (q, k), args.reps, args.warmup, with_peak=True)
+        except Exception as err:  # fla is optional; say why its row is missing
+            print(f"({name} row skipped: {type(err).__name__}: {err})")
+            continue
+        grads = [torch.randn_like(o) for o in fn()]
+        gpu = gpu_ms(lambda: torch.autograd.grad(fn(), (q, k), grads))  # noqa: B023
+        print(f"| {name:<28} | {fwd:8.3f} | {fwd_bwd:8.3f} | {gpu:10.3f} | {peak:10.0f} |", flush=True)
 
 
 def preset_projections(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[dict]:
