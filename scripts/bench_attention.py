@@ -6,7 +6,8 @@ Cases: full causal and window ``--window``, plain batches (B = tokens / T) and p
 seed, cut at every T as ``ttr train`` packs them), at each ``--seqlens`` T; then the presets'
 attention shapes (``models/presets.py``: 1.3B 16 heads and 340M 8 heads of 128, 8 rows of 4096
 packed, full for ``transformer``, window 2048 for the SWA hybrids). bf16 by default.
-Rows per case (median ms of the forward and of forward+backward, peak MiB above the inputs):
+Rows per case (median ms of the forward and of forward+backward, waiting for each call; the
+kernels' own fwd+bwd time, ``gpu_ms``; peak MiB above the inputs):
   ttr               the Triton kernel (what TTR_ATTENTION=triton runs)
   auto -> <path>    ``ttr.kernels.attention.attention`` as dispatched (``dispatch.ROUTES``)
   varlen            ``torch.nn.attention.varlen.varlen_attn`` (where the installed torch has it)
@@ -22,6 +23,7 @@ measurements call for; ``--json`` writes every row.
     python -m ttr.scripts.bench_attention --json attention.json
     python -m ttr.scripts.bench_attention --seqlens 4096 --window 1024 --reps 10 --no-presets
     python -m ttr.scripts.bench_attention --configs      # each autotune candidate of each kernel alone
+    python -m ttr.scripts.bench_attention --layouts packed --reps 10
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ttr.kernels.attention import attention, dispatch, flash
-from ttr.scripts.bench_utils import peak_mib, time_ms
+from ttr.kernels.common.index import prepare_packing
+from ttr.scripts.bench_utils import gpu_ms, peak_mib, time_ms
 
 # the presets' attention layers at their training shapes: (name, heads, head dim, window, rows, T)
 PRESET_SHAPES = [
@@ -61,6 +64,8 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layouts", nargs="+", choices=["plain", "packed"], default=["plain", "packed"],
+                   help="the cases' layouts (the presets' shapes are packed)")
     p.add_argument("--no-presets", action="store_true", help="leave out the presets' shapes")
     p.add_argument("--flex", action="store_true", help="add compiled flex_attention rows")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
@@ -121,8 +126,11 @@ def time_configs(args, dtype) -> None:
 
 
 def measure(forward, inputs, layout, reps, warmup):
-    """(fwd ms, fwd+bwd ms, peak MiB, whether the output is contiguous in ttr's ``[B, T, H, D]``,
-    so a layer's reshape to ``[B, T, H * D]`` copies nothing) of ``forward(*inputs)``."""
+    """(fwd ms, fwd+bwd ms, fwd+bwd GPU ms or None, peak MiB, whether the output is contiguous in ttr's
+    ``[B, T, H, D]``, so a layer's reshape to ``[B, T, H * D]`` copies nothing) of
+    ``forward(*inputs)``. The wall-clock columns wait for each call, so they include the host's
+    time before the first kernel; the GPU column (``gpu_ms``) is the kernels' own time, what a
+    training step whose host runs ahead of the GPU pays (None where the host never got ahead)."""
     out = forward(*inputs)
     contiguous = (out if layout == "bthd" else out.transpose(1, 2)).is_contiguous()
     do = torch.randn_like(out)
@@ -135,7 +143,11 @@ def measure(forward, inputs, layout, reps, warmup):
         torch.autograd.grad(forward(*inputs), inputs, do)
 
     fwd_bwd()  # compile / autotune before any timing
-    return time_ms(fwd, reps, warmup), time_ms(fwd_bwd, reps, warmup), peak_mib(fwd_bwd), contiguous
+    try:  # a second of sleep at most: a call that waits for the GPU never lets the host ahead
+        gpu = gpu_ms(fwd_bwd, calls=reps, max_sleep_cycles=2**31) if DEVICE == "cuda" else time_ms(fwd_bwd, reps, warmup)
+    except RuntimeError:
+        gpu = None
+    return time_ms(fwd, reps, warmup), time_ms(fwd_bwd, reps, warmup), gpu, peak_mib(fwd_bwd), contiguous
 
 
 def packed_bounds(tokens: int, row: int, mean: int, seed: int = 0) -> list[int]:
@@ -214,6 +226,9 @@ def rows_of_case(args, window, bounds, t, hq, hkv, d):
     ``[B, T, H, D]``, "bhtd" SDPA's ``[B, H, T, D]``."""
     scale, gqa = d**-0.5, hq != hkv
     cu = None if bounds is None else torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
+    # ttr's ops take the packing resolved once (as a model's forward passes it), so no call copies
+    # the bounds to the host
+    packing = None if cu is None else prepare_packing(cu, t, device=cu.device)
     max_len = t if bounds is None else max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     full_plain = bounds is None and (window is None or window >= t)
 
@@ -228,11 +243,11 @@ def rows_of_case(args, window, bounds, t, hq, hkv, d):
         return lambda q, k, v: dispatch.varlen_causal(q, k, v, cu, max_len, window, scale)
 
     def auto():
-        return lambda q, k, v: attention(q, k, v, window=window, scale=scale, cu_seqlens=cu)
+        return lambda q, k, v: attention(q, k, v, window=window, scale=scale, cu_seqlens=packing)
 
     rows = [
         ("ttr", "bthd", lambda: lambda q, k, v: flash.triton_attention(q, k, v, window=window, scale=scale,
-                                                                        cu_seqlens=cu)),
+                                                                        cu_seqlens=packing)),
         ("auto", "bthd", auto),
         ("varlen", "bthd", varlen),
     ]
@@ -276,13 +291,16 @@ def run_case(args, results, label, window, packed, b, t, hq, hkv, d, dtype):
         try:
             dims = [(shape_b, shape_t, h, d) if layout == "bthd" else (shape_b, h, shape_t, d) for h in (hq, hkv, hkv)]
             inputs = [torch.randn(s, device=DEVICE, dtype=dtype, requires_grad=True) for s in dims]
-            fwd, fwd_bwd, mem, contiguous = measure(build(), inputs, layout, args.reps, args.warmup)
+            fwd, fwd_bwd, gpu, mem, contiguous = measure(build(), inputs, layout, args.reps, args.warmup)
             row.update(fwd_ms=round(fwd, 4), fwd_bwd_ms=round(fwd_bwd, 4), peak_mib=round(mem), out_contiguous=contiguous)
-            cells = f"{fwd:.3f} | {fwd_bwd:.3f} | {mem:.0f} | {'yes' if contiguous else 'no'}"
+            if gpu is not None:
+                row["gpu_fwd_bwd_ms"] = round(gpu, 4)
+            gpu_cell = "host-bound" if gpu is None else f"{gpu:.3f}"
+            cells = f"{fwd:.3f} | {fwd_bwd:.3f} | {gpu_cell} | {mem:.0f} | {'yes' if contiguous else 'no'}"
         except Exception as err:  # report the backend that cannot run this case and keep going
             reason = f"{type(err).__name__}: {err}".splitlines()[0][:140].replace("|", "/")
             row["na"] = reason
-            cells = f"n/a: {reason} | | |"
+            cells = f"n/a: {reason} | | | |"
         del inputs
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -291,20 +309,23 @@ def run_case(args, results, label, window, packed, b, t, hq, hkv, d, dtype):
         print(f"| {label} | {case['mask']} | {case['layout']}{docs} | {t} | {b} | {name} | {cells} |", flush=True)
 
 
-def summarise(results) -> None:
+def summarise(results, key="fwd_bwd_ms") -> None:
     """Per case: the fastest exact path (ttr, varlen, SDPA is_causal) and the fastest SDPA backend
-    (masked ones included), and auto against that; then the routes the measurements call for."""
+    (masked ones included), and auto against that; then the routes the measurements call for. By
+    ``key``: the wall clock per call, or ``gpu_fwd_bwd_ms``, the kernels' own time."""
     inf = float("inf")
     cases: dict = {}
     for r in results:
-        if "fwd_bwd_ms" in r:
+        if key in r:
             cases.setdefault((r["case"], r["mask"], r["layout"], r["T"], tuple(r["route"])), []).append(r)
-    print("\n| case | mask | layout | T | fastest path | auto fwd+bwd | best SDPA fwd+bwd | auto / best SDPA |")
+    what = "GPU" if key.startswith("gpu") else "wall"
+    print(f"\nBy {what} time (fwd+bwd ms):")
+    print("| case | mask | layout | T | fastest path | auto | best SDPA | auto / best SDPA |")
     print("|---|---|---|---|---|---|---|---|")
     wins: dict = {}
     sdpa_totals: dict = {}
     for (label, mask, layout, t, kind), rows in cases.items():
-        by = {r["row"]: r["fwd_bwd_ms"] for r in rows}
+        by = {r["row"]: r[key] for r in rows}
         auto = next((ms for name, ms in by.items() if name.startswith("auto")), None)
         sdpa = {name: ms for name, ms in by.items() if name.startswith("sdpa")}
         exact = {"triton": by.get("ttr"), "varlen": by.get("varlen")}
@@ -322,7 +343,7 @@ def summarise(results) -> None:
         ratio = "" if auto is None or best_sdpa is None else f"{auto / best_sdpa:.2f}"
         print(f"| {label} | {mask} | {layout} | {t} | {best} {exact[best]:.3f} | "
               f"{'' if auto is None else f'{auto:.3f}'} | {'' if best_sdpa is None else f'{best_sdpa:.3f}'} | {ratio} |")
-    print("\nROUTES the measurements call for (a fused path leads only where it beats triton at every shape):")
+    print(f"\nROUTES the {what} times call for (a fused path leads only where it beats triton at every shape):")
     for kind, shapes in wins.items():
         fused = [p for p in ("sdpa", "varlen") if all(s.get(p, inf) < s.get("triton", inf) for s in shapes)]
         fused.sort(key=lambda p: sum(s[p] for s in shapes))
@@ -360,10 +381,10 @@ def main(argv=None) -> int:
            "sdpa_backends": [b.name for b in dispatch.SDPA_BACKENDS]}
     print(f"# attention: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, "
           f"{args.dtype}, median of {args.reps}; varlen_attn: {env['varlen_attn']}")
-    print("| case | mask | layout | T | B | row | fwd ms | fwd+bwd ms | peak MiB | out contiguous |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | mask | layout | T | B | row | fwd ms | fwd+bwd ms | fwd+bwd GPU ms | peak MiB | out contiguous |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results: list = []
-    for packed in (False, True):
+    for packed in [layout == "packed" for layout in args.layouts]:
         for window in (None, args.window):
             for t in args.seqlens:
                 run_case(args, results, f"H{hq}/{hkv} D{d}", window, packed, max(1, args.tokens // t), t, hq, hkv, d,
@@ -372,6 +393,7 @@ def main(argv=None) -> int:
         for label, h, dim, window, rows, t in PRESET_SHAPES:
             run_case(args, results, label, window, True, rows, t, h, h, dim, dtype)
     summarise(results)
+    summarise(results, key="gpu_fwd_bwd_ms")
     if args.json is not None:
         args.json.write_text(json.dumps({"env": env, "rows": results}, indent=1))
         print(f"rows written to {args.json}")

@@ -38,11 +38,12 @@ def time_ms(fn, reps, warmup, device=None):
     return statistics.median(times)
 
 
-def gpu_ms(fn, calls: int = 20, sleep_cycles: int = 100_000_000) -> float:
+def gpu_ms(fn, calls: int = 20, sleep_cycles: int = 100_000_000, max_sleep_cycles: int = 2**36) -> float:
     """The GPU's own ms per call of ``fn``, without the host's launch time: ``calls`` calls are queued
     behind a GPU sleep, so the events around them time their kernels back to back. Where the host
     had not queued them all before the sleep ended (the start event had already run), the sleep is
-    doubled and the calls timed again."""
+    doubled and the calls timed again, up to ``max_sleep_cycles`` (then RuntimeError: a call that
+    waits for the GPU, or a host slower than the GPU)."""
     fn()
     torch.cuda.synchronize()
     while True:
@@ -56,7 +57,7 @@ def gpu_ms(fn, calls: int = 20, sleep_cycles: int = 100_000_000) -> float:
         torch.cuda.synchronize()
         if ahead:
             return start.elapsed_time(end) / calls
-        if sleep_cycles > 2**36:  # about half a minute of sleep and still behind: not a GPU-bound call
+        if sleep_cycles > max_sleep_cycles:  # 2**36: about half a minute of sleep and still behind
             raise RuntimeError("gpu_ms: the host never got ahead of the GPU")
         sleep_cycles *= 2
 

@@ -243,11 +243,12 @@ def test_bench_attention_runs_on_cpu(monkeypatch, capsys, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 * 2 * 6 + 3  # layouts x masks x rows, and SDPA on views for full plain batches
     timed = {r["row"] for r in rows if "fwd_bwd_ms" in r}
+    assert all("gpu_fwd_bwd_ms" in r for r in rows if r["row"] in timed)
     assert {"ttr", "auto -> triton", "sdpa flash", "sdpa flash (views)"} <= timed
     views = next(r for r in rows if r["row"] == "sdpa flash (views)")
     assert (views["mask"], views["layout"]) == ("full", "plain") and views["out_contiguous"]
     assert all(r["row"] in timed or r["na"] for r in rows)
-    assert "n/a: " in text and "ROUTES the measurements call for" in text
+    assert "n/a: " in text and "ROUTES the wall times call for" in text and "ROUTES the GPU times call for" in text
     bounds = bench_attention.packed_bounds(1000, 64, 24)
     assert bounds[0] == 0 and bounds[-1] == 1000 and sorted(bounds) == bounds
     assert all(e - s <= 64 and (s // 64 == (e - 1) // 64) for s, e in zip(bounds[:-1], bounds[1:]))
