@@ -14,7 +14,7 @@ The angles' cos and sin come in as tables (``rope_tables``: ``[P, T, D/2]`` fp32
 formed once per layer by torch for q and k together; both backends read the same tables, so they
 rotate by the same angles. The kernel reads x once and writes y once (4 bytes per element in
 bf16) in fp32 arithmetic; the same formula in torch ops (fp32 copy, negated half, concatenation,
-two products and a sum, cast back) makes about ten passes over an fp32 copy of x each way.
+two products and a sum, cast back) makes several passes over an fp32 copy of x each way.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import triton.language as tl
 from ttr.kernels.common.index import cdiv, next_power_of_2
 from ttr.kernels.utils import check_dtype, check_rank, kernel_backend, on_input_device
 
-# Elements of x per program: 4096 (32 rows of D = 128) kept the loads wide at every head dim tried
+# Elements of x per program (32 rows of D = 128); not swept: at D = 128 the kernel already moves its
+# bytes near the memory's rate (docs/benchmarks.md, the rope table)
 ELEMS = 4096
 
 
