@@ -6,7 +6,9 @@ be set before Triton is imported), which records each launch: the kernel, its ar
 constexprs, warps and pipeline stages. Ops without a delta rule run twice, once on each state
 pass (sequential and two-level), so both paths' kernels are listed. This process then compiles
 every distinct launch with the installed Triton for the target (default sm_90a, Hopper) and reads
-the machine code's resource use with the ``cuobjdump`` that Triton ships:
+the machine code's resource use with the ``cuobjdump`` that Triton ships. Each argument is
+compiled as Triton's launcher specializes it on a GPU (``_specialize``: pointers 16-byte aligned and
+ints divisible by 16 marked, ints equal to 1 as constants), at the interpreter run's values:
 
 - ``regs``: registers per thread (255 is the most a thread can have);
 - ``stack``: bytes of per-thread local memory, which for Triton code means spilled registers;
@@ -62,6 +64,24 @@ def _arg_type(value) -> str | None:
     raise TypeError(f"launch argument of type {type(value).__name__}")
 
 
+def _specialize(value) -> tuple[str | None, bool]:
+    """``(type, divisible)`` of a launch argument as Triton's launcher specializes it on a GPU: a
+    pointer 16-byte aligned or an int divisible by 16 is marked ``divisible`` (the compiler then
+    vectorizes loads and drops index arithmetic), an int equal to 1 becomes the constant 1 (type
+    None, as a constexpr). Compiling without these marks gives another kernel than the GPU runs
+    (more registers, spills and instructions). Where this Triton has no native specializer, the
+    argument's plain type and no mark."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return _arg_type(value), False
+    kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+    if kind == "constexpr":
+        return None, False
+    return _arg_type(value), attr == "D"
+
+
 def _record(self, *args, grid, warmup, **kwargs):
     """``InterpretedFunction.run`` with the launch recorded before it runs."""
     import triton.language as tl
@@ -70,17 +90,19 @@ def _record(self, *args, grid, warmup, **kwargs):
     params = inspect.signature(self.fn)
     bound = params.bind(*args, **kwargs)
     bound.apply_defaults()
-    signature, constexprs = {}, {}
+    signature, constexprs, divisible = {}, {}, []
     for name, param in params.parameters.items():
         value = bound.arguments[name]
         # annotations are strings in modules with postponed evaluation
         constexpr = param.annotation is tl.constexpr or "constexpr" in str(param.annotation)
-        kind = None if constexpr else _arg_type(value)
+        kind, div = (None, False) if constexpr else _specialize(value)
         signature[name] = kind or "constexpr"
         if kind is None:
             constexprs[name] = value
+        elif div:
+            divisible.append(name)
     key = (self.fn.__module__, self.fn.__name__, json.dumps(signature), json.dumps(constexprs, sort_keys=True),
-           json.dumps(options, sort_keys=True))
+           json.dumps(options, sort_keys=True), json.dumps(divisible))
     _LAUNCHES[key] = _LAUNCHES.get(key, 0) + 1
     return _record.original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
 
@@ -113,9 +135,10 @@ def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqle
                 for stage, cfg in saved.items():
                     index.TUNING[stage] = cfg
             label = f"{shape.op} {shape.label()}"
-            for (module, name, sig, const, opts), count in _LAUNCHES.items():
+            for (module, name, sig, const, opts, div), count in _LAUNCHES.items():
                 out.append(dict(shape=label, module=module, kernel=name, signature=json.loads(sig),
-                                constexprs=json.loads(const), options=json.loads(opts), launches=count))
+                                constexprs=json.loads(const), options=json.loads(opts),
+                                divisible=json.loads(div), launches=count))
             _LAUNCHES.clear()
     return out
 
@@ -184,10 +207,14 @@ def compile_launch(launch: dict, arch: int) -> dict:
     """Compile one captured launch for ``sm_<arch>`` and read its resource use."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
+    # the launcher's marks (``_specialize``); launches captured before they were recorded have none
+    names = list(launch["signature"])
+    attrs = {(names.index(n),): CUDABackend.parse_attr("D") for n in launch.get("divisible", [])}
     src = ASTSource(fn=_jit_function(launch["module"], launch["kernel"])[0], signature=launch["signature"],
-                    constexprs=launch["constexprs"])
+                    constexprs=launch["constexprs"], attrs=attrs)
     options = {"num_warps": 4, "num_stages": 3, **launch["options"]}
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,7 +241,8 @@ def report(launches: list[dict], arch: int) -> tuple[str, list[dict]]:
     rows, seen = [], set()
     for launch in launches:
         key = (launch["module"], launch["kernel"], json.dumps(launch["signature"]),
-               json.dumps(launch["constexprs"], sort_keys=True), json.dumps(launch["options"], sort_keys=True))
+               json.dumps(launch["constexprs"], sort_keys=True), json.dumps(launch["options"], sort_keys=True),
+               json.dumps(launch.get("divisible", [])))
         if key in seen:
             continue
         seen.add(key)

@@ -559,11 +559,29 @@ def test_kernel_resources_compiles_an_ops_launches(tmp_path):
     assert walk["loop_instructions"] > 0 and walk["loop_gmma"] > 0, walk  # the chunk walk's dot is a wgmma
     # a saved capture is read, not captured again: only the one launch left in it is reported
     saved = json.loads(launches.read_text())
+    # every launch carries the GPU launcher's marks: its tensors (fresh allocations) are aligned
+    walk_launch = next(l for l in saved if l["kernel"] == "state_fwd_kernel")
+    pointers = {n for n, t in walk_launch["signature"].items() if t.startswith("*")}
+    assert pointers and pointers <= set(walk_launch["divisible"]), walk_launch
     launches.write_text(json.dumps([l for l in saved if l["kernel"] == "state_fwd_kernel"][:1]))
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     assert [r["kernel"] for r in json.loads((tmp_path / "r.json").read_text())["rows"]] == ["state_fwd_kernel"]
     refused = subprocess.run(cmd, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     assert refused.returncode == 2 and "without TRITON_INTERPRET" in refused.stderr
+
+
+def test_kernel_resources_specializes_arguments_as_the_gpu_launcher():
+    """Aligned pointers and ints divisible by 16 are marked, an offset view and 17 are not, an int
+    equal to 1 is a constant, as Triton's launcher specializes them on a GPU."""
+    x = torch.zeros(4, 16)
+    assert kernel_resources._specialize(x) == ("*fp32", True)
+    assert kernel_resources._specialize(x[:, 1:]) == ("*fp32", False)
+    assert kernel_resources._specialize(x.bfloat16()) == ("*bf16", True)
+    assert kernel_resources._specialize(32) == ("i32", True)
+    assert kernel_resources._specialize(17) == ("i32", False)
+    assert kernel_resources._specialize(1) == (None, False)
+    assert kernel_resources._specialize(2**40) == ("i64", True)
+    assert kernel_resources._specialize(0.5) == ("fp32", False)
 
 
 def test_step_breakdown_sorts_kernels_by_kind_of_work():
