@@ -425,8 +425,8 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     k and for xBC (D = 4352), and within 4 - 6 % of 352 or 512 tokens for v. A register cap
     (``maxnreg``) that lets more walks share an SM pays where the walk's integer work is larger:
     packed input (each token's document is two dependent loads; 0.280 -> 0.237 ms for q and k) and
-    xBC's wider rows read in place (0.436 -> 0.396); with the norm on unpacked input the walk's own
-    168 registers are faster (0.224 against 0.235). Loading the next step's rows ahead of the
+    xBC's wider rows read in place (0.436 -> 0.396); with the norm on unpacked input the walk compiles
+    to 128 registers anyway and the uncapped launch timed faster (0.224 against 0.235). Loading the next step's rows ahead of the
     current one, which the walk did before, lost to the cap in every case but v packed (2 %)."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))

@@ -164,8 +164,8 @@ STAGE_CALLS = {
     "simple_gla": simple_gla_stage_calls,
 }
 
-# The sequential state pass with 8 warps (or BV = 32): the launches the compiler's report
-# (scripts/kernel_resources.py) shows without the spills of the 4-warp defaults (BV = 64) at K = 128.
+# The sequential state pass with 8 warps (or BV = 32): fewer registers per thread than the 4-warp
+# defaults (BV = 64) at K = 128 (scripts/kernel_resources.py).
 # One stage with BV < 64 is left out: it gives wrong states on the H200 (state._checked).
 STATE_WALK_SWEEP = {
     "state_fwd": [dict(two_level=False, num_warps=8, num_stages=ns) for ns in (2, 3)]
@@ -243,7 +243,7 @@ SWEEPS = {
 }
 
 # Every kernel stage's default launch under a register cap (``maxnreg``): at 4 warps, 168 registers
-# let 3 programs share an SM and 128 let 4, where a kernel compiled to 255 fits 2.
+# let 3 programs share an SM and 128 let 4, where a kernel compiled to more than 168 fits 2.
 REG_CAPS = (128, 168)
 CAPPED_STAGES = {
     "gated_delta": ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd"),

@@ -360,8 +360,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
     backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
-    without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, which on 4
-    warps spills its running state (Triton 3.6, sm_90a) and on 8 does not: measured on an H200,
+    without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, whose
+    running state takes 143 registers per thread on 4 warps and 89 on 8 (SSD, Triton 3.6, sm_90a):
+    measured on an H200,
     bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to 0.125 ms at 8 x 2048
     and GLA's (K = V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay
     faster (0.122 against 0.138 ms, Gated DeltaNet), and at GLA-1.3B's K = 64 too (the op's forward

@@ -278,9 +278,10 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
     # one program covers a whole head of up to 128 values, so the CB tile and the gate are read once,
     # and at up to 64 values all of N up to 128 in one block. H200 at 8 x 2048 (Triton 3.6): 0.242 ms
     # at N = 64 in 8 groups (BK 32: 0.272); 0.256 at Mamba2-1.3B's N = 128 against 0.300 for BK 64.
-    # The 4-warp launch compiles to 255 registers (two programs per SM); capped at 128 (four) it
-    # took 0.243 to 0.214 ms at N = 64 in 8 groups and 0.256 to 0.232 at N = 128 (8 x 2048 and
-    # 1 x 16384 alike; a cap of 168 gained less, or lost)
+    # Capped at 128 registers it took 0.243 to 0.214 ms at N = 64 in 8 groups and 0.256 to 0.232 at
+    # N = 128 (8 x 2048 and 1 x 16384 alike; a cap of 168 gained less, or lost). The compiler's
+    # report gives the launch 128 registers with or without the cap, so the gain is the schedule
+    # ptxas makes under the directive, not more programs per SM
     BV = block_size(P, 128)
     cap = {"maxnreg": 128} if BV <= 64 else {}
     cfg = tuned("ssd_output_fwd", BK=block_size(N, 128 if BV <= 64 else 64), BV=BV,
@@ -335,9 +336,10 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     dA, dD = shares[0], (None if D is None else shares[1])
     # one N block of 128 on 4 warps: 0.635 ms at 8 x 2048 at Mamba2-1.3B's shape on an H200 (1 - 3
     # stages alike), against 0.726 for BK 64 and 0.954 on 8 warps, measured before the kernel formed
-    # the state's share of dv last (0.558 ms since). It compiles to 255 registers, two programs per
-    # SM; capped at 168 (three) it took 0.492 to 0.408 ms at N = 64 in 8 groups and 0.554 to 0.524 at
-    # N = 128 (8 x 2048 and 1 x 16384 alike); at 128 it spills and took 0.68 - 0.89
+    # the state's share of dv last (0.558 ms since). It compiles to 212 (N = 64) - 225 (N = 128)
+    # registers, two programs per SM; capped at 168 (three) it took 0.492 to 0.408 ms at N = 64 in 8
+    # groups and 0.554 to 0.524 at N = 128 (8 x 2048 and 1 x 16384 alike); at 128 it spills and took
+    # 0.68 - 0.89
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168)
     rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                              dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
