@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of every Triton kernel an op launches, without a GPU.
 
-The ops run once, forward and backward, at a short length (``--seqlen``, B = 1) and each preset
+The ops run once, forward and backward, at a short length (``--seqlen``, B = 2) and each preset
 shape of ``ttr bench`` under the Triton interpreter, in a child process (``TRITON_INTERPRET`` must
 be set before Triton is imported), which records each launch: the kernel, its argument types,
 constexprs, warps and pipeline stages. Ops without a delta rule run twice, once on each state
@@ -129,7 +129,9 @@ def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqle
                     index.TUNING[stage] = {**saved[stage], "two_level": two_level}
             try:
                 torch.manual_seed(0)
-                x, do = bench_kernels._inputs(row, 1, seqlen, shape, torch.device("cpu"), dtype=torch.bfloat16)
+                # B = 2: a batch or sequence count of 1 would compile as the constant 1, which a
+                # GPU run's batch is not
+                x, do = bench_kernels._inputs(row, 2, seqlen, shape, torch.device("cpu"), dtype=torch.bfloat16)
                 row.ttr(**x).backward(do)
             finally:
                 for stage, cfg in saved.items():
