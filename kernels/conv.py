@@ -422,12 +422,13 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels, one
     warp each. On an H200 at B = 8, T = 4096 and at 32,768 tokens packed (bf16, the presets' convs,
     ``bench_fused --sweep``): walks of 256 tokens of 128 channels were the fastest length for q and
-    k and for xBC (D = 4352), and within 4 - 6 % of 352 or 512 tokens for v. A register cap
-    (``maxnreg``) that lets more walks share an SM pays where the walk's integer work is larger:
-    packed input (each token's document is two dependent loads; 0.280 -> 0.237 ms for q and k) and
-    xBC's wider rows read in place (0.436 -> 0.396); with the norm on unpacked input the walk compiles
-    to 128 registers anyway and the uncapped launch timed faster (0.224 against 0.235). Loading the next step's rows ahead of the
-    current one, which the walk did before, lost to the cap in every case but v packed (2 %)."""
+    k and for xBC (D = 4352), and within 4 - 6 % of 352 or 512 tokens for v. In packed input
+    (each token's document is two dependent loads) the walk compiles to 168 registers and a cap of
+    120 lets 17 walks share an SM instead of 12: 0.280 -> 0.237 ms for q and k. Unpacked, it
+    compiles to 128 registers with or without a cap of 128 (``kernel_resources``): capped, v and
+    xBC timed faster (xBC 0.436 -> 0.396, together with dropping the prefetch below), q and k with
+    the norm slower (0.235 against 0.224), so only the former keep it. Loading the next step's rows
+    ahead of the current one, which the walk did before, lost in every case but v packed (2 %)."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:

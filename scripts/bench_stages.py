@@ -245,9 +245,10 @@ SWEEPS = {
 # Every kernel stage's default launch under a register cap (``maxnreg``): at 4 warps, 168 registers
 # let 3 programs share an SM and 128 let 4, where a kernel compiled to more than 168 fits 2.
 REG_CAPS = (128, 168)
+DELTA_STAGES = ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd")
 CAPPED_STAGES = {
-    "gated_delta": ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd"),
-    "delta": ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd"),
+    "gated_delta": DELTA_STAGES,
+    "delta": DELTA_STAGES,
     "gla": ("state_fwd", "state_bwd", "vector_gate_scores", "vector_gate_output", "vector_gate_intra_bwd",
             "vector_gate_bwd_dqkg"),
     "ssd": ("state_fwd", "state_bwd", "ssd_cb", "ssd_output_fwd", "ssd_scores_grad", "ssd_output_bwd_dcb",

@@ -362,8 +362,8 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
     without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, whose
     running state takes 143 registers per thread on 4 warps and 89 on 8 (SSD, Triton 3.6, sm_90a):
-    measured on an H200,
-    bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to 0.125 ms at 8 x 2048
+    measured on an H200, bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to
+    0.125 ms at 8 x 2048
     and GLA's (K = V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay
     faster (0.122 against 0.138 ms, Gated DeltaNet), and at GLA-1.3B's K = 64 too (the op's forward
     0.356 against 0.359 ms at 8 x 2048). The vector gate's forward on 8 warps runs 2 stages (0.122
@@ -381,9 +381,11 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     against 0.144 at 2 x 8192 (BV 64 on 4), where at 8 x 2048 (512 programs) BV 64 on 4 warps stays
     ahead (0.091 against 0.114); at K = 128 the 8-warp launch measured no better (0.266 against
     0.261 ms at 1 x 16384). That backward (a scalar gate, any K up to 128) also launches under a
-    register cap of 168, which lets more of its programs share an SM and pays where few walk long
-    sequences: SSD (H = 64, V = 64) at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 -> 0.173 at
-    K = 64, unchanged at 8 x 2048 (H200); the delta rules' and GLA's walks lose under it.
+    register cap of 168, timed faster where few programs walk long sequences: SSD (H = 64, V = 64)
+    at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 -> 0.173 at K = 64, unchanged at 8 x 2048
+    (H200); the delta rules' and GLA's walks lose under it. It compiles to 100 - 118 registers
+    with or without the cap (``kernel_resources``), so the cap changes ptxas's schedule, not the
+    programs per SM.
 
     Returns ``(BK, split, launch)``, the launch a dict of BV, num_warps, num_stages (and maxnreg)."""
     split = K > 128
