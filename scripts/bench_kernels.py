@@ -53,6 +53,9 @@ HEADS = 16
 HEAD_DIM = 128
 SEQLENS = (2048, 4096, 8192, 16384)
 ORACLE_T = 1024
+# mamba_ssm's Mamba2 (and Hugging Face's) default chunk size
+MAMBA_SSM_CHUNK = 256
+SSD_REFERENCES = ("fla", "mamba_ssm")
 SIZE = "1.3b"
 SHAPE_SETS = ("preset", "uniform", "all")
 
@@ -197,6 +200,20 @@ def ssd_inputs(B, T, s, dtype, device):
     return {**x, **{n: t.clone(memory_format=torch.contiguous_format) for n, t in zip(("q", "k", "v", "g"), mapped)}}
 
 
+def ssd_native_inputs(B, T, s, dtype, device):
+    """Mamba2's inputs alone: the reference takes them as ttr does (mamba_ssm's kernel)."""
+    x = ssd_inputs(B, T, s, dtype, device)
+    return {n: x[n] for n in ("x", "dt", "A", "B", "C")}
+
+
+def _mamba_ssm(**x):
+    """The authors' SSD kernel (mamba_ssm's ``mamba_chunk_scan_combined``, imported at the first call:
+    not a dependency), at the chunk size its Mamba2 models run."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return mamba_chunk_scan_combined(x["x"], x["dt"], x["A"], x["B"], x["C"], chunk_size=MAMBA_SSM_CHUNK)
+
+
 def attention_inputs(B, T, s, dtype, device):
     from ttr.kernels.attention.reference import band_mask
 
@@ -238,8 +255,9 @@ def _sdpa(**x):
     return o.transpose(1, 2)
 
 
-def rows() -> dict[str, Row]:
-    """Every op of the table, in its order."""
+def rows(ssd_reference: str = "fla") -> dict[str, Row]:
+    """Every op of the table, in its order; ``ssd_reference`` picks the ``ssd`` rows' reference
+    (``SSD_REFERENCES``)."""
     from ttr.kernels.attention import attention, reference_attention
     from ttr.kernels.delta import chunk_delta_rule, reference_delta_rule
     from ttr.kernels.gated_delta import chunk_gated_delta_rule, reference_gated_delta_rule
@@ -260,7 +278,9 @@ def rows() -> dict[str, Row]:
         "simple_gla": Row(qkvg(chunk_simple_gla), _fla("simple_gla"), "fla chunk_simple_gla", simple_gla_inputs,
                           qkvg(reference_simple_gla)),
         "ssd": Row(ssd(chunk_ssd), _fla("ssd"), "fla chunk_simple_gla (B, C expanded beforehand)", ssd_inputs,
-                   ssd(reference_ssd)),
+                   ssd(reference_ssd)) if ssd_reference == "fla" else
+        Row(ssd(chunk_ssd), _mamba_ssm, f"mamba_ssm mamba_chunk_scan_combined (chunk {MAMBA_SSM_CHUNK})",
+            ssd_native_inputs, ssd(reference_ssd)),
         "swa": Row(attn(attention), _sdpa, "SDPA, band mask", attention_inputs, attn(reference_attention)),
         "attn": Row(attn(attention), _sdpa, "SDPA, is_causal", attention_inputs, attn(reference_attention)),
     }
@@ -454,16 +474,16 @@ def format_row(r: dict) -> str:
 
 def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all", oracle: bool = True,
         fla_note: str | None = None, budget: float | None = None, write: Callable | None = None,
-        rounds: int = 1) -> tuple[str, dict]:
+        rounds: int = 1, ssd_reference: str = "fla") -> tuple[str, dict]:
     """The markdown table and its JSON of ``todo`` (from ``plan``); rows not started within ``budget``
     seconds are listed as skipped. ``write(table, data)`` gets both after every row; ``rounds`` as in
-    ``measure``."""
+    ``measure``, ``ssd_reference`` as in ``rows``."""
     from ttr.scripts.bench_utils import Deadline, describe_environment, environment
 
     device = torch.device(device or "cuda")
     env = environment(device)
     deadline = Deadline(budget)
-    table = rows()
+    table = rows(ssd_reference)
     timing = (f"median ms (do_bench, from the first launch; GPU: the kernels alone, queued behind a GPU sleep)"
               f"{f', the median of {rounds} rounds in turn' if rounds > 1 else ''}"
               if device.type == "cuda" else "CPU: code paths only, the times measure nothing")
@@ -586,7 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=None, help=f"comma-separated ops (default: all of {','.join(names)})")
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
-    parser.add_argument("--no-fla", action="store_true", help="skip the fla references (SDPA's still run)")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="skip the fla references (SDPA's and mamba_ssm's still run)")
+    parser.add_argument("--ssd-reference", default="fla", choices=SSD_REFERENCES,
+                        help="the ssd rows' reference: fla's chunk_simple_gla on the mapped inputs (default), or "
+                             "the authors' kernel, mamba_ssm's mamba_chunk_scan_combined (its Triton sources "
+                             "importable as mamba_ssm.ops.triton)")
     parser.add_argument("--no-reference", action="store_true", help="skip every reference (fla and SDPA)")
     parser.add_argument("--no-oracle", action="store_true", help="skip the error against the float64 oracle")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
@@ -621,8 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     if not todo and not args.stages:
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
     if args.dry_run:
+        reference_names = {op: row.reference_name for op, row in rows(args.ssd_reference).items()}
         for s, B, T in todo:
-            print(f"{s.op} {s.label()} {B} x {T}: {rows()[s.op].reference_name}; {', '.join(s.presets) or args.shapes}")
+            print(f"{s.op} {s.label()} {B} x {T}: {reference_names[s.op]}; {', '.join(s.presets) or args.shapes}")
         return 0
     device = torch.device(args.device)
     if (args.stages or args.profile) and device.type != "cuda":
@@ -642,9 +668,11 @@ def main(argv: list[str] | None = None) -> int:
         references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None
         note = fla_guard_note(lifted) if references == "all" else None
-        settings = {"shapes": args.shapes, "tokens": args.tokens, "rounds": args.rounds}
+        settings = {"shapes": args.shapes, "tokens": args.tokens, "rounds": args.rounds,
+                    "ssd_reference": args.ssd_reference}
         table, data = run(todo, device, references=references, oracle=not args.no_oracle,
                           fla_note=note, budget=args.time_budget, rounds=args.rounds,
+                          ssd_reference=args.ssd_reference,
                           write=lambda text, data: _write(args, text, {**data, **settings}))
         data.update(settings)
         print("\n" + table)

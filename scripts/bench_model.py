@@ -10,8 +10,9 @@ same FLOPs) and peak memory (``torch.cuda.max_memory_allocated``: weights, optim
 activations). Next to it, in the same process, the reference model of the same shape that
 ``ttr.scripts.reference_models`` builds: fla 0.6.0 for Gated DeltaNet, DeltaNet, GLA and the Gated
 DeltaNet + SWA hybrid (with fla's own default loss), Hugging Face ``LlamaForCausalLM`` (SDPA) for the
-transformer and ``Mamba2ForCausalLM`` for Mamba2 (its PyTorch path without the mamba_ssm kernels:
-it may not fit, which is reported). ``gated_deltanet_h2`` has no reference. Out of memory and other
+transformer and ``Mamba2ForCausalLM`` for Mamba2 (through mamba_ssm's Triton SSD kernel with a torch
+depthwise conv where mamba_ssm's Triton sources are importable, else its PyTorch path, which may not
+fit: that is reported, and the row names the path). ``gated_deltanet_h2`` has no reference. Out of memory and other
 failures are rows, not crashes; each model starts from a freed GPU, or with ``--isolate`` in its
 own process, so that a crash (an illegal address poisons the CUDA context) costs only its row.
 ``--time-budget`` lists the models not started in time as skipped; the table and JSON are
@@ -143,7 +144,8 @@ ORIGINS = {"fla": "fla", "transformers": "HF", "ttr": "ttr"}
 
 def model_name(model) -> str:
     origin = type(model).__module__.split(".")[0]
-    return f"{ORIGINS.get(origin, origin)} {type(model).__name__}"
+    path = getattr(model, "reference_path", None)
+    return f"{ORIGINS.get(origin, origin)} {type(model).__name__}" + (f" ({path})" if path else "")
 
 
 def plain_loop(model, vocab: int, batch: int, seq_len: int, steps: int, warmup: int, device,

@@ -117,14 +117,15 @@ def build_reference(config):
     family = family_of(config)
     if family == "gated_deltanet_h1":
         install_flash_attn_shim()
-    if family == "mamba2":
-        use_mamba_ssm_scan()
+    scan = use_mamba_ssm_scan() if family == "mamba2" else None
     ref_config = reference_config(config)
     if family == "transformer":
         ref_config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(ref_config)
     if family == "mamba2":
         init_mamba2_as_released(model, config)
+        # which SSD the reference trains through, for the benchmark tables
+        model.reference_path = "mamba_ssm's SSD kernel" if scan else "PyTorch path"
     return model
 
 

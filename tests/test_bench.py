@@ -115,6 +115,21 @@ def test_ttr_bench_dry_run_lists_the_preset_rows(capsys):
     assert len(out) == 6
 
 
+def test_ssd_reference_can_be_the_authors_kernel(capsys):
+    """``--ssd-reference mamba_ssm`` times mamba_ssm's kernel on ttr's own inputs (no mapped copies),
+    so every input gradient is compared; an unknown reference is refused by name."""
+    assert bench_kernels.main(["--dry-run", "--seqlens", "4096", "--ops", "ssd", "--ssd-reference", "mamba_ssm"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ssd H=64 P=64 N=128 G=1 4 x 4096: mamba_ssm mamba_chunk_scan_combined (chunk 256); ")
+    row = bench_kernels.rows("mamba_ssm")["ssd"]
+    x = row.make_inputs(1, 8, bench_kernels.Shape("ssd", 4, 16, 8, groups=2), torch.float32, torch.device("cpu"))
+    assert sorted(x) == ["A", "B", "C", "dt", "x"] and x["B"].shape == (1, 8, 2, 16)
+    assert bench_kernels.rows()["ssd"].reference_name.startswith("fla chunk_simple_gla")
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--dry-run", "--ssd-reference", "ssm"])
+    assert "--ssd-reference: invalid choice: 'ssm'" in capsys.readouterr().err
+
+
 # bf16 inputs on the torch backend (which computes in fp32): the comparisons hold on a CPU too
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_bench_kernels_smoke_on_cpu(monkeypatch, tmp_path):
@@ -483,6 +498,21 @@ def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
     assert "--rounds 5 " in run(PARTS="kernels", ROUNDS="5").stdout
     bad = run(PARTS="kernels,bogus")
     assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_bench_kernels_ssd_against_mamba_ssm_on_gpu(tmp_path):
+    """ttr's SSD next to the authors' kernel at Mamba2-1.3B's shape: both timed, the output and every
+    input gradient (x, dt, A, B, C) close."""
+    pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
+    out = tmp_path / "k.json"
+    assert bench_kernels.main(["--presets", "mamba2-1.3b", "--ops", "ssd", "--seqlens", "4096", "--rounds", "1",
+                               "--ssd-reference", "mamba_ssm", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["groups"] for r in rows] == [1, 8]
+    for r in rows:
+        assert r["ttr_fwd_bwd_ms"] > 0 and r["ref_fwd_bwd_ms"] > 0 and not r.get("errors"), r
+        assert r["rel_err_vs_ref"] < 2e-2, r
 
 
 @pytest.mark.gpu
