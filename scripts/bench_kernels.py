@@ -650,6 +650,12 @@ def main(argv: list[str] | None = None) -> int:
         for s, B, T in todo:
             print(f"{s.op} {s.label()} {B} x {T}: {reference_names[s.op]}; {', '.join(s.presets) or args.shapes}")
         return 0
+    if (args.ssd_reference == "mamba_ssm" and not args.no_reference and not args.stages and not args.profile
+            and any(s.op == "ssd" for s, _, _ in todo)):
+        try:
+            import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+        except ImportError as e:
+            parser.error(f"--ssd-reference mamba_ssm: mamba_ssm.ops.triton.ssd_combined does not import ({e})")
     device = torch.device(args.device)
     if (args.stages or args.profile) and device.type != "cuda":
         parser.error(f"--{'stages' if args.stages else 'profile'} times CUDA kernels: it needs --device cuda, "

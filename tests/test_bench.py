@@ -2,6 +2,7 @@
 runs of their code paths on debug presets (no measurement). The GPU cases at the end run the real
 shapes where a GPU is present."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -128,6 +129,10 @@ def test_ssd_reference_can_be_the_authors_kernel(capsys):
     with pytest.raises(SystemExit):
         bench_kernels.main(["--dry-run", "--ssd-reference", "ssm"])
     assert "--ssd-reference: invalid choice: 'ssm'" in capsys.readouterr().err
+    if importlib.util.find_spec("mamba_ssm") is None:  # a run (not a listing) needs the kernel's sources
+        with pytest.raises(SystemExit):
+            bench_kernels.main(["--device", "cpu", "--ops", "ssd", "--ssd-reference", "mamba_ssm"])
+        assert "--ssd-reference mamba_ssm: mamba_ssm.ops.triton.ssd_combined does not import" in capsys.readouterr().err
 
 
 # bf16 inputs on the torch backend (which computes in fp32): the comparisons hold on a CPU too
