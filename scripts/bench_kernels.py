@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the ssd rows' reference: fla's chunk_simple_gla on the mapped inputs (default), or "
                              "the authors' kernel, mamba_ssm's mamba_chunk_scan_combined (its Triton sources "
                              "importable as mamba_ssm.ops.triton)")
-    parser.add_argument("--no-reference", action="store_true", help="skip every reference (fla and SDPA)")
+    parser.add_argument("--no-reference", action="store_true", help="skip every reference (fla, mamba_ssm and SDPA)")
     parser.add_argument("--no-oracle", action="store_true", help="skip the error against the float64 oracle")
     parser.add_argument("--lift-fla-guard", action="store_true", help=LIFT_FLA_GUARD_HELP)
     parser.add_argument("--rounds", type=int, default=3,

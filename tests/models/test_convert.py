@@ -179,7 +179,7 @@ def test_mamba2_reference_initialised_as_released():
     assert not torch.equal(mixers[0].A_log, torch.arange(1, len(mixers[0].A_log) + 1).float().log())
     if len(mixers) > 1:
         assert not torch.equal(mixers[0].A_log, mixers[1].A_log)
-    # the benchmark tables name the SSD the reference trains through (here: no mamba_ssm sources)
+    # the benchmark tables name the SSD the reference trains through
     from ttr.scripts.bench_model import model_name
 
     expected = "mamba_ssm's SSD kernel" if importlib.util.find_spec("mamba_ssm") else "PyTorch path"
