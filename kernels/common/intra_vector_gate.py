@@ -52,7 +52,8 @@ parts (through the states ``h`` and their gradients ``dh`` from ``state.state_bw
 ``dG = q ⊙ dq - k ⊙ dk`` (+ the last-row terms of the state update) into the gradient of the raw
 gate by a reverse cumulative sum within the chunk.
 
-Shapes: q, k, gk_cum ``[B, T, H, K]``; v, do ``[B, T, H, V]``; A, dA ``[B, T, H, BT]`` fp32;
+Shapes: q, k, gk_cum ``[B, T, H, K]``; v, do ``[B, T, H, V]``; A ``[B, T, H, BT]`` in the inputs' dtype
+(both products that read it, ``A v`` and ``A^T do``, take it in that dtype), dA ``[B, T, H, BT]`` fp32;
 h, dh ``[NT, H, K, V]`` in k's dtype (per chunk, see ``index.ChunkPlan``).
 """
 
@@ -131,8 +132,8 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
     # two disjoint stores: the row strip without the diagonal sub-block's columns, then that block
     p_A = A + (o_i[:, None] * H + i_h) * BT
     m_d = (o_s >= i_i * BC) & (o_s < i_i * BC + BC)
-    tl.store(p_A + o_s[None, :], b_A * scale, mask=m_i[:, None] & ~m_d[None, :])
-    tl.store(p_A + i_i * BC + o_c[None, :], b_Ad * scale, mask=m_i[:, None])
+    tl.store(p_A + o_s[None, :], (b_A * scale).to(A.dtype.element_ty), mask=m_i[:, None] & ~m_d[None, :])
+    tl.store(p_A + i_i * BC + o_c[None, :], (b_Ad * scale).to(A.dtype.element_ty), mask=m_i[:, None])
 
 
 @triton.jit
@@ -316,7 +317,9 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
 
 
 def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
-    """``A [B, T, H, BT]`` fp32: the scaled, causal, gate-decayed intra-chunk scores.
+    """``A [B, T, H, BT]`` in q's dtype: the scaled, causal, gate-decayed intra-chunk scores, formed in
+    fp32 and rounded once on the store, where the products that read them (``vector_gate_output``,
+    ``vector_gate_dv_dA``) rounded them before (the same values, half the bytes kept and moved).
 
     One program per (chunk, sub-chunk of 16 rows, head): per K block one ``[16, BK] x [BK, BT]``
     product for the earlier sub-chunks and, when the sub-chunk's gate span is at most
@@ -324,7 +327,7 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     per-token loop); see the module docstring."""
     B, T, H, K = q.shape
     BT = plan.chunk_size
-    A = torch.empty(B, T, H, BT, device=q.device, dtype=torch.float32)
+    A = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)
     # Few warps and narrow K blocks: the products are small ([16, 32] tiles), so more warps only
     # add synchronisation; one stage, since each program loads every K block once. H200, 8 x 2048:
     # 0.245 ms against 0.343 for BK 64 at K = 128; at gla-1.3b's K = 64, 0.141 against 0.134. At
