@@ -182,28 +182,27 @@ def simple_gla_inputs(B, T, s, dtype, device):
     return {**_qk(B, T, s, dtype, device), "g": F.logsigmoid(torch.randn(B, T, s.H, device=device))}
 
 
-def ssd_inputs(B, T, s, dtype, device):
-    """Mamba2's inputs for ttr's op, and the same math as simple GLA's ``q, k, v, g`` (B and C
-    expanded over the heads, ``v = x dt``, ``g = A dt``) as inputs of their own for fla's op: the
-    reference is timed as its kernel alone, not with the torch ops that map the inputs onto it."""
-    from ttr.kernels.ssd.reference import ssd_as_simple_gla
-
-    x = {
+def ssd_native_inputs(B, T, s, dtype, device):
+    """Mamba2's inputs (x, dt, A, B, C), as ttr's op and mamba_ssm's kernel take them."""
+    return {
         "x": torch.randn(B, T, s.H, s.V, device=device, dtype=dtype),
         "dt": F.softplus(torch.randn(B, T, s.H, device=device) - 3.0),
         "A": -torch.rand(s.H, device=device).mul(15).add(1),
         "B": (torch.randn(B, T, s.groups, s.K, device=device) * s.K**-0.5).to(dtype),
         "C": torch.randn(B, T, s.groups, s.K, device=device, dtype=dtype),
     }
+
+
+def ssd_inputs(B, T, s, dtype, device):
+    """Mamba2's inputs for ttr's op, and the same math as simple GLA's ``q, k, v, g`` (B and C
+    expanded over the heads, ``v = x dt``, ``g = A dt``) as inputs of their own for fla's op: the
+    reference is timed as its kernel alone, not with the torch ops that map the inputs onto it."""
+    from ttr.kernels.ssd.reference import ssd_as_simple_gla
+
+    x = ssd_native_inputs(B, T, s, dtype, device)
     mapped = ssd_as_simple_gla(x["x"], x["dt"], x["A"], x["B"], x["C"])
     # copies: with one head per group q and k would be C and B themselves, one leaf in two roles
     return {**x, **{n: t.clone(memory_format=torch.contiguous_format) for n, t in zip(("q", "k", "v", "g"), mapped)}}
-
-
-def ssd_native_inputs(B, T, s, dtype, device):
-    """Mamba2's inputs alone: the reference takes them as ttr does (mamba_ssm's kernel)."""
-    x = ssd_inputs(B, T, s, dtype, device)
-    return {n: x[n] for n in ("x", "dt", "A", "B", "C")}
 
 
 def _mamba_ssm(**x):
