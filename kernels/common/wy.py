@@ -147,7 +147,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, scratch, cu_seqlens, chunk_indices,
+def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -215,14 +215,10 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
     if USE_G:
         b_P = b_dB * b_KK
         b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
-    # dk needs dB^T too: dB goes to this chunk's rows of the scratch and is read back transposed
-    # (tl.trans of a dot result used as a dot operand miscompiles on Hopper with Triton 3.4 -
-    # 3.7.0, fla issue #640; forming dB^T by its own products kept two more tiles live)
-    p_s = scratch + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
-    tl.store(p_s, b_dB, mask=m_t[:, None])
-    tl.debug_barrier()
-    p_sT = scratch + ((g0 + o_i) * H + i_h)[None, :] * BT + o_i[:, None]
-    b_dS = (b_dB + tl.load(p_sT, mask=m_t[None, :], other=0.)).to(k.dtype.element_ty)  # dB + dB^T
+    # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
+    # never dB transposed as an operand (tl.trans of a dot result used as a dot operand miscompiles
+    # on Hopper with Triton 3.4 - 3.7.0, fla issue #640), and no round trip of dB through memory.
+    b_dB = b_dB.to(k.dtype.element_ty)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -230,7 +226,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, sc
         b_k = tl.load(p_k, mask=m_k, other=0.)
         b_dw = tl.load(p_dw, mask=m_dw, other=0.).to(b_k.dtype)
         b_dkb = tl.dot(tl.trans(b_Ai * b_beta[None, :]).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
-        b_dk = tl.dot(b_dS, b_k)
+        b_dk = tl.dot(b_dB, b_k) + tl.trans(tl.dot(tl.trans(b_k), b_dB))
         if USE_G:
             b_dk += b_dkb * b_eg[:, None]
             b_dgc += tl.sum(b_dkb * b_k * b_eg[:, None], 1)
@@ -280,8 +276,7 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg_out = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if g is not None else None
-    scratch = torch.empty_like(Ai)  # dA per chunk, read back transposed
-    wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out, scratch,
+    wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
                                          plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
                                          USE_G=g is not None, HAS_DK=dk is not None, HAS_DG=dg is not None,
                                          **tuned("wy_bwd", BK=BK, BV=BV))
