@@ -216,8 +216,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_P = b_dB * b_KK
         b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
     # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
-    # never dB transposed as an operand (tl.trans of a dot result used as a dot operand miscompiles
-    # on Hopper with Triton 3.4 - 3.7.0, fla issue #640), and no round trip of dB through memory.
+    # never dB transposed as an operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot result
+    # used as a dot operand on Hopper), and no round trip of dB through memory.
     b_dB = b_dB.to(k.dtype.element_ty)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
