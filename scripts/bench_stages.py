@@ -38,24 +38,29 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
+
+    def backward_walk():
+        # as the op runs it: the walk forms the intra-chunk dv, or takes it from ``output_bwd_dv``,
+        # timed with the walk (``TUNING["state_bwd"]["intra_dv"]`` chooses; the default by the gate)
+        intra = walk_forms_dv(gated)
+        dvl = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
+        return state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc, intra_dv=intra)
 
     x, do, scale, plan = _stage_inputs(delta_inputs(gated), B, T, device)
     q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x.get("g")
     gc = chunk_local_cumsum(g, plan) if gated else None
     w, u, Ai = wy_fwd(k, v, beta, plan, g=gc)
     h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
-    dvl = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
-    dh, _, dv2 = state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc)
+    dh, _, dv2 = backward_walk()
     dq, dk, dw, dg = output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2)
     calls = {
         "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
         "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
         "state_fwd": lambda: state_fwd(k, u, plan, w=w, g=gc),
         "output_fwd": lambda: output_fwd(q, k, vn, h, plan, scale=scale, g=gc),
-        "output_bwd_dv": lambda: output_bwd_dv(q, k, do, plan, scale=scale, g=gc),
-        "state_bwd": lambda: state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc),
+        "state_bwd": backward_walk,
         "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
         "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
     }
@@ -180,6 +185,9 @@ DELTA_SWEEP = {
     "output_bwd_dqk": [dict(BK=64, num_warps=nw) for nw in (4, 8)] + [dict(BK=128, BV=bv, num_warps=8, num_stages=ns)
                                                                   for bv in (32, 64) for ns in (2, 3)],
     **STATE_WALK_SWEEP,
+    # the backward walk forming the intra-chunk dv or reading it from a launch of its own
+    # (``state.walk_forms_dv``)
+    "state_bwd": STATE_WALK_SWEEP["state_bwd"] + [dict(intra_dv=True), dict(intra_dv=False)],
 }
 
 # Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their
@@ -245,7 +253,7 @@ SWEEPS = {
 # Every kernel stage's default launch under a register cap (``maxnreg``): at 4 warps, 168 registers
 # let 3 programs share an SM and 128 let 4, where a kernel compiled to more than 168 fits 2.
 REG_CAPS = (128, 168)
-DELTA_STAGES = ("wy_fwd", "output_fwd", "output_bwd_dv", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd")
+DELTA_STAGES = ("wy_fwd", "output_fwd", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd")
 CAPPED_STAGES = {
     "gated_delta": DELTA_STAGES,
     "delta": DELTA_STAGES,

@@ -31,9 +31,11 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``h <- exp(g_last) h + (k ⊙ exp(g_last - g))^T v_new`` (per key row with ``gk``). ``u_scale``
   (``[B,T,H]``, without ``w``) scales u's rows inside the pass (SSD's ``v = x dt``; v_new None).
 - ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
-  need_dh0=False) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state *after* chunk c,
-  ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its full gradient
-  (``dv=None``, without ``w``: dh alone and ``dv2`` None, for a caller that forms it itself).
+  need_dh0=False, intra_dv=False) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state
+  *after* chunk c, ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its
+  full gradient (``dv=None``, without ``w``: dh alone and ``dv2`` None, for a caller that forms it
+  itself; ``dv=None, intra_dv=True``: the walk forms ``output_bwd_dv``'s dv from the tiles it
+  loads, ``state.walk_forms_dv`` says when the delta rules ask it to).
 - ``output.output_fwd(q, k, v_new, h, plan, *, scale, g=None) -> o``:
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of

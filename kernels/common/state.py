@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
+from ttr.kernels.common.output import output_bwd_dv
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -156,7 +157,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_off
 def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
-                     USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr):
+                     USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
+                     INTRA_DV: tl.constexpr):
+    # INTRA_DV: the output's intra-chunk dv, scale (q k^T ⊙ causal ⊙ Γ)^T do, is formed here from the
+    # q, k and do tiles the step loads anyway (``output.output_bwd_dv``'s product) instead of read
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -188,6 +192,19 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
             b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
+        if INTRA_DV:
+            # [j, i] = k_j . q_i on i >= j, times Γ_ij = exp(g_i - g_j) (padded rows take the last
+            # valid g, so every exponent stays <= 0), off the chain of dh: only its sum with k dh waits
+            b_A = tl.dot(tl.trans(b_kT), b_q)
+            if SPLIT:
+                b_A += tl.dot(tl.trans(b_kT2), b_q2)
+            m_A = o_i[:, None] <= o_i[None, :]
+            if USE_G:
+                b_gc = tl.where(m_t, tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.),
+                                tl.load(g + (bos + last) * H + i_h))
+                b_A *= tl.exp(tl.where(m_A, b_gc[None, :] - b_gc[:, None], 0.))
+            b_A = tl.where(m_A, b_A * scale, 0.)
+            b_dv = tl.dot(b_A.to(b_do.dtype), b_do)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
@@ -203,7 +220,8 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
                 b_q2 = (b_q2 * tl.exp(b_gk2)).to(b_q2.dtype)
         if USE_DV:
             # dv2 = dv + (k ⊙ decay) dh: the k^T tile is loaded transposed, so k = trans(load)
-            b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+            if not INTRA_DV:
+                b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
             b_kdh = tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
             if SPLIT:
                 b_kdh += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
@@ -462,10 +480,23 @@ def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Te
 
 
 def _sequential_cfg(stage: str, **defaults) -> dict:
-    """The sequential kernels' launch parameters (the path switch is not one of them)."""
+    """The sequential kernels' launch parameters (the path switches are not among them)."""
     cfg = tuned(stage, **defaults)
     cfg.pop("two_level", None)
+    cfg.pop("intra_dv", None)
     return cfg
+
+
+def walk_forms_dv(gated: bool) -> bool:
+    """Whether the delta rules' backward hands the output's intra-chunk dv to the state walk to form
+    (``state_bwd(..., intra_dv=True)``) rather than launching ``output.output_bwd_dv`` for it first;
+    ``TUNING["state_bwd"]["intra_dv"]`` overrides. By default only without a gate. H200, bf16, 16
+    heads of K = V = 128, the walk with the dv it needs, ms at 8 x 2048 / 4 x 4096 / 1 x 16384:
+    DeltaNet 0.220 / 0.216 / 0.352 as two launches, 0.185 / 0.180 / 0.333 as one. With a gate the
+    one walk loses, 0.409 / 0.404 / 0.930 against 0.263 / 0.260 / 0.421: its scores' gate tile takes
+    the walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton
+    3.6, ``kernel_resources``), and on 4 warps over value blocks of 32 it measured 0.317 at 8 x 2048."""
+    return bool(tuned("state_bwd", intra_dv=not gated)["intra_dv"])
 
 
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
@@ -543,15 +574,27 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     return h, (v_new if u_scale is None else None), ht
 
 
-def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *,
+def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor | None, plan: ChunkPlan, *,
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
-              gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False):
+              gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False,
+              intra_dv: bool = False):
     """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
     dtype; None when ``dv`` is None, for a caller that forms the state's share of dv itself, which
-    the delta rule, whose ``dh`` reads ``dv2``, cannot). Without ``w`` and with long sequences the
-    two-level pass (``_two_level``)."""
-    if dv is None and w is not None:
+    the delta rule, whose ``dh`` reads ``dv2``, cannot). With ``intra_dv`` (``dv`` None, a scalar
+    gate or none) ``dv`` is the output stage's intra-chunk gradient, ``output.output_bwd_dv(q, k, do,
+    plan, scale=scale, g=g)``, which the walk forms from the tiles it loads anyway: one launch and
+    one round trip of a ``v``-sized tensor less (at K <= 128; beyond, and before the two-level
+    pass, it is that launch). Without ``w`` and with long sequences the two-level pass
+    (``_two_level``)."""
+    if intra_dv:
+        if dv is not None or gk is not None:
+            raise ValueError("state_bwd: intra_dv forms dv itself (dv must be None) and takes a scalar gate, not gk")
+    elif dv is None and w is not None:
         raise ValueError("state_bwd: the delta rule (w) needs dv")
+    if intra_dv and (k.shape[3] > 128 or _two_level("state_bwd", w, plan, gk, heads=do.shape[2])):
+        # the two-level pass has no walk to form it in; the split state's walk (K > 128) formed it
+        # wrong with fp32 inputs on the H200 (Triton 3.6: the float64 oracle missed at K = 256)
+        dv, intra_dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g), False
     if _two_level("state_bwd", w, plan, gk, heads=do.shape[2]):
         dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
@@ -563,11 +606,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     N = plan.num_seqs
     BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk))
     dh = k.new_empty(plan.num_chunks, H, K, V)
-    dv2 = None if dv is None else torch.empty_like(dv)
+    dv2 = torch.empty_like(do) if intra_dv else None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, HK=HK, K=K,
         V=V,
         BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, USE_DV=dv is not None, **cfg)
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, USE_DV=dv2 is not None, INTRA_DV=intra_dv, **cfg)
     return dh, dh0, dv2

@@ -1,9 +1,10 @@
 """Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
 
 Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output.
-Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below), then: intra-chunk
-dv -> reverse state pass (dh, dh0, full dv) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta, dg),
-whose last step maps dg from cumulative back to raw gates.
+Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below), then: reverse
+state pass (dh, dh0, and the full dv, whose intra-chunk part the walk forms from the q, k and do
+tiles it reads anyway, or, with a gate, a launch before it: ``state.walk_forms_dv``) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta,
+dg), whose last step maps dg from cumulative back to raw gates.
 
 Keep or recompute (``TTR_CHUNK_STATES``, ``index.chunk_states``): the backward needs w, h and
 v_new. ``h`` is ``[NT, H, K, V]`` in the input dtype (V/64 times the size of k), w and v_new the
@@ -22,7 +23,7 @@ import torch
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-from ttr.kernels.common.state import state_bwd, state_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
 
@@ -60,8 +61,10 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
-        dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
-        dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None)
+        intra = walk_forms_dv(gated=g_cum is not None)
+        dv = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
+        dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None,
+                                intra_dv=intra)
         dq, dk, dw, dg = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, g=g_cum, dv=dv)
         dk, dv, dbeta, dg = wy_bwd(k, v, beta, Ai, dw, dv, plan, g=g_cum, dk=dk, dg=dg)
         if dh0 is not None:

@@ -201,6 +201,50 @@ def test_state_backward_without_dv(monkeypatch, two_level):
         state_bwd(q, k, do, None, plan, scale=0.5, w=torch.randn(B, T, H, K))
 
 
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("gated,use_w,heads,K,two_level", [
+    (False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
+    (False, False, (2, 2), 32, False), (True, False, (2, 2), 32, True)])
+def test_state_backward_forms_the_intra_chunk_dv(monkeypatch, B, T, cu, gated, use_w, heads, K, two_level):
+    """``intra_dv=True``: the walk (or, on the two-level pass, a launch before it) forms
+    ``output_bwd_dv``'s dv itself, and every output matches the two launches', also under a decay
+    that spans e^-120 within a chunk (grouped q/k heads, split K, packed sequences)."""
+    from ttr.kernels.common import state
+
+    monkeypatch.setattr(state, "_two_level", lambda *a, **k: two_level)
+    H, HK = heads
+    V = 16
+    q, k = torch.randn(B, T, HK, K), F.normalize(torch.randn(B, T, HK, K), dim=-1)
+    do, w = torch.randn(B, T, H, V), 0.1 * torch.randn(B, T, H, K)
+    plan = prepare_chunks(torch.tensor(cu) if cu is not None else None, B, T)
+    gc = chunk_local_cumsum(-4 * torch.rand(B, T, H), plan) if gated else None
+    w = w if use_w else None
+    dv = output_bwd_dv(q, k, do, plan, scale=0.5, g=gc)
+    two = state_bwd(q, k, do, dv, plan, scale=0.5, w=w, g=gc, need_dh0=True)
+    one = state_bwd(q, k, do, None, plan, scale=0.5, w=w, g=gc, need_dh0=True, intra_dv=True)
+    for a, b in zip(one, two):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="intra_dv"):
+        state_bwd(q, k, do, dv, plan, scale=0.5, w=w, g=gc, intra_dv=True)
+    with pytest.raises(ValueError, match="intra_dv"):
+        state_bwd(q, k, do, None, plan, scale=0.5, gk=torch.zeros(B, T, HK, K), intra_dv=True)
+
+
+def test_state_backward_forms_the_intra_chunk_dv_without_a_gate_only():
+    """The delta rules' default: one walk without a gate, two launches with one (``walk_forms_dv``);
+    ``TUNING["state_bwd"]["intra_dv"]`` overrides either."""
+    from ttr.kernels.common import index
+    from ttr.kernels.common.state import walk_forms_dv
+
+    assert walk_forms_dv(gated=False) and not walk_forms_dv(gated=True)
+    index.TUNING["state_bwd"] = {"intra_dv": True}
+    try:
+        assert walk_forms_dv(gated=True)
+    finally:
+        index.TUNING.pop("state_bwd")
+
+
 def test_state_pass_refuses_the_wrong_launch_shape():
     """16-bit inputs with one pipeline stage and BV < 64 gave wrong states on the H200."""
     from ttr.kernels.common.state import _checked
