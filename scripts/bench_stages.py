@@ -38,8 +38,16 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-    from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv
+    from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
+
+    def forward_walk():
+        # as the op runs it: the walk forms the output, or ``output_fwd`` reads its states after it
+        # (``TUNING["state_fwd"]["output"]`` chooses)
+        if walk_forms_output(gated):
+            return state_fwd(k, u, plan, w=w, g=gc, q=q, scale=scale, keep_h=False)[3]
+        h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
+        return output_fwd(q, k, vn, h, plan, scale=scale, g=gc)
 
     def backward_walk():
         # as the op runs it: the walk forms the intra-chunk dv, or takes it from ``output_bwd_dv``,
@@ -58,8 +66,7 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     calls = {
         "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
         "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
-        "state_fwd": lambda: state_fwd(k, u, plan, w=w, g=gc),
-        "output_fwd": lambda: output_fwd(q, k, vn, h, plan, scale=scale, g=gc),
+        "state_fwd": forward_walk,
         "state_bwd": backward_walk,
         "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
         "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
@@ -185,6 +192,9 @@ DELTA_SWEEP = {
     "output_bwd_dqk": [dict(BK=64, num_warps=nw) for nw in (4, 8)] + [dict(BK=128, BV=bv, num_warps=8, num_stages=ns)
                                                                   for bv in (32, 64) for ns in (2, 3)],
     **STATE_WALK_SWEEP,
+    # the forward walk forming the output or an output launch after it (``state.walk_forms_output``)
+    "state_fwd": STATE_WALK_SWEEP["state_fwd"] + [dict(output=o, num_warps=nw, num_stages=ns) for o in (True, False)
+                                                  for nw in (4, 8) for ns in (2, 3)],
     # the backward walk forming the intra-chunk dv or reading it from a launch of its own
     # (``state.walk_forms_dv``)
     "state_bwd": STATE_WALK_SWEEP["state_bwd"] + [dict(intra_dv=True), dict(intra_dv=False)],
@@ -253,7 +263,7 @@ SWEEPS = {
 # Every kernel stage's default launch under a register cap (``maxnreg``): at 4 warps, 168 registers
 # let 3 programs share an SM and 128 let 4, where a kernel compiled to more than 168 fits 2.
 REG_CAPS = (128, 168)
-DELTA_STAGES = ("wy_fwd", "output_fwd", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd")
+DELTA_STAGES = ("wy_fwd", "state_fwd", "state_bwd", "output_bwd_dqk", "wy_bwd")
 CAPPED_STAGES = {
     "gated_delta": DELTA_STAGES,
     "delta": DELTA_STAGES,

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
-from ttr.kernels.common.output import output_bwd_dv
+from ttr.kernels.common.output import output_bwd_dv, output_fwd
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -82,12 +82,15 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
+def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqlens, chunk_offsets, H: tl.constexpr,
                      HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                     USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                     USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
+                     OUTPUT: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
-    # _state_blocks for the one launch shape that is right on Hopper).
+    # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
+    # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
+    # q, k and v_new tiles; STORE_H off: the states are not written (nothing reads them).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -103,15 +106,26 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_off
         if SPLIT:
             b_h2 += _load_half(p_h0, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
     for i_c in range(tl.cdiv(T, BT)):
-        p_h = h + ((boh + i_c) * H + i_h) * K * V
-        _store_half(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
-        if SPLIT:
-            _store_half(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
+        if STORE_H:
+            p_h = h + ((boh + i_c) * H + i_h) * K * V
+            _store_half(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
+            if SPLIT:
+                _store_half(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
         p_kb = qk_rows(k, bos, i_h, H, HK, K)
         b_v = _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
         b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         if SPLIT:
             b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+        if OUTPUT:
+            # q h with the state before the chunk (rounded as a stored h would be) and q k^T
+            p_qb = qk_rows(q, bos, i_h, H, HK, K)
+            b_q = _load_half(p_qb, i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
+            b_o = tl.dot(b_q, b_h.to(b_q.dtype))
+            b_A = tl.dot(b_q, b_k)
+            if SPLIT:
+                b_q2 = _load_half(p_qb, i_c * BT, BK, T, K, HK * K, 1, BT, BK)
+                b_o += tl.dot(b_q2, b_h2.to(b_q2.dtype))
+                b_A += tl.dot(b_q2, b_k2)
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
             b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
@@ -126,6 +140,15 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, cu_seqlens, chunk_off
             b_v = b_v.to(v_new.dtype.element_ty).to(tl.float32)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
+        if OUTPUT:
+            m_A = o_i[:, None] >= o_i[None, :]
+            if USE_G:
+                b_gc = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
+                b_o *= tl.exp(b_gc)[:, None]
+                b_A *= tl.exp(tl.where(m_A, b_gc[:, None] - b_gc[None, :], 0.))
+            b_A = tl.where(m_A, b_A, 0.)
+            b_o = (b_o + tl.dot(b_A.to(b_k.dtype), b_v.to(b_k.dtype))) * scale
+            _store_half(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_US:
             # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
             # product's one rounding instead of as a tensor of their own
@@ -484,7 +507,20 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
     cfg = tuned(stage, **defaults)
     cfg.pop("two_level", None)
     cfg.pop("intra_dv", None)
+    cfg.pop("output", None)
     return cfg
+
+
+def walk_forms_output(gated: bool) -> bool:
+    """Whether the delta rules' forward has the state walk form the output (``state_fwd(..., q=q)``)
+    rather than launching ``output.output_fwd`` after it; ``TUNING["state_fwd"]["output"]``
+    overrides. By default only without a gate. H200, bf16, 16 heads of K = V = 128, ms at 8 x 2048 /
+    4 x 4096 / 1 x 16384: DeltaNet's walk and output launch 0.225 / 0.224 / 0.337, the walk forming
+    the output 0.141 / 0.138 / 0.327 (254 registers on 4 warps, no spill; Triton 3.6). Gated
+    DeltaNet's 0.261 / 0.259 / 0.405 against 0.345 / 0.346 / 0.777: its walk with the output and
+    the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on 8, and
+    no faster)."""
+    return bool(tuned("state_fwd", output=not gated)["output"])
 
 
 def walk_forms_dv(gated: bool) -> bool:
@@ -547,14 +583,28 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
 
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
-              initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              q: torch.Tensor | None = None, scale: float = 1.0, keep_h: bool = True):
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     ``u_scale`` (``[B, T, H]`` fp32, not with ``w``): the values are ``u * u_scale[..., None]``, scaled
     in fp32 inside the pass (SSD's ``x dt``, which then never exists as a tensor); v_new is then None.
-    Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``)."""
+    Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``).
+
+    With ``q`` (a scalar gate or none, no ``u_scale``) the pass also forms the output,
+    ``output.output_fwd(q, k, v_new, h, plan, scale=scale, g=g)``, and returns ``(h, v_new, final,
+    o)``: the walk holds each chunk's state and loads its k and values anyway, so it adds q's tile
+    and three products per step instead of a launch that reads the states back (sequential walk
+    only; before the two-level pass, or at K > 128, that launch). ``keep_h=False``: h is not
+    needed after the call and is not written (None)."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
+    if q is not None and (gk is not None or u_scale is not None):
+        raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none, and no u_scale")
+    if q is not None and (k.shape[3] > 128 or _two_level("state_fwd", w, plan, gk, heads=u.shape[2])):
+        h, v_new, ht = state_fwd(k, u, plan, w=w, g=g, initial_state=initial_state,
+                                 output_final_state=output_final_state)
+        return h, v_new, ht, output_fwd(q, k, v_new, h, plan, scale=scale, g=g)
     if _two_level("state_fwd", w, plan, gk, heads=u.shape[2]):
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
@@ -564,13 +614,18 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     H, V = u.shape[2:]
     N = plan.num_seqs
     BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk))
-    h = k.new_empty(plan.num_chunks, H, K, V)
+    store_h = keep_h or q is None
+    h = k.new_empty(plan.num_chunks, H, K, V) if store_h else None
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    o = torch.empty_like(u) if q is not None else None
     state_fwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, plan.cu_seqlens, plan.chunk_offsets, H=H, HK=HK, K=K,
-        V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_US=u_scale is not None, USE_H0=initial_state is not None, STORE_HT=output_final_state, **cfg)
+        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, o, scale, plan.cu_seqlens, plan.chunk_offsets, H=H,
+        HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None,
+        USE_GK=gk is not None, USE_US=u_scale is not None, USE_H0=initial_state is not None,
+        STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, **cfg)
+    if q is not None:
+        return h, v_new, ht, o
     return h, (v_new if u_scale is None else None), ht
 
 

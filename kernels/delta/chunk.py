@@ -1,10 +1,12 @@
 """Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
 
-Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output.
+Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output,
+which without a gate the state walk forms itself from the states it holds (``state.walk_forms_output``:
+the states are then written only if kept).
 Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below), then: reverse
 state pass (dh, dh0, and the full dv, whose intra-chunk part the walk forms from the q, k and do
-tiles it reads anyway, or, with a gate, a launch before it: ``state.walk_forms_dv``) -> dq, dk, dw, dg -> WY backward (dk, dv, dbeta,
-dg), whose last step maps dg from cumulative back to raw gates.
+tiles it reads anyway, or, with a gate, a launch before it: ``state.walk_forms_dv``) -> dq, dk, dw,
+dg -> WY backward (dk, dv, dbeta, dg), whose last step maps dg from cumulative back to raw gates.
 
 Keep or recompute (``TTR_CHUNK_STATES``, ``index.chunk_states``): the backward needs w, h and
 v_new. ``h`` is ``[NT, H, K, V]`` in the input dtype (V/64 times the size of k), w and v_new the
@@ -23,7 +25,7 @@ import torch
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv
+from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
 
@@ -39,10 +41,15 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
         w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
-        h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
-                                 output_final_state=output_final_state)
-        o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
-        kept = (w, h, v_new) if keep_states(plan) else (w, v_new) if chunk_states() == "auto" else ()
+        keep_h = keep_states(plan)
+        if walk_forms_output(gated=g is not None):
+            h, v_new, ht, o = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
+                                        output_final_state=output_final_state, q=q, scale=scale, keep_h=keep_h)
+        else:
+            h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
+                                     output_final_state=output_final_state)
+            o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
+        kept = (w, h, v_new) if keep_h else (w, v_new) if chunk_states() == "auto" else ()
         ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, ht

@@ -245,6 +245,55 @@ def test_state_backward_forms_the_intra_chunk_dv_without_a_gate_only():
         index.TUNING.pop("state_bwd")
 
 
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("gated,use_w,heads,K,two_level", [
+    (False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
+    (False, False, (2, 2), 32, False), (True, False, (2, 2), 32, True)])
+def test_state_forward_forms_the_output(monkeypatch, B, T, cu, gated, use_w, heads, K, two_level):
+    """``state_fwd(q=...)``: the walk (or, on the two-level pass and at K > 128, a launch after it)
+    forms ``output_fwd``'s o, and v_new, the final state and o match the two launches' (grouped q/k
+    heads, an initial state, packed sequences, a decay spanning e^-120 in a chunk); ``keep_h=False``
+    writes no states."""
+    from ttr.kernels.common import state
+
+    monkeypatch.setattr(state, "_two_level", lambda *a, **k: two_level)
+    H, HK = heads
+    V = 16
+    N = B if cu is None else len(cu) - 1
+    q, k = torch.randn(B, T, HK, K), F.normalize(torch.randn(B, T, HK, K), dim=-1)
+    u, w, h0 = torch.randn(B, T, H, V), 0.1 * torch.randn(B, T, H, K), torch.randn(N, H, K, V)
+    plan = prepare_chunks(torch.tensor(cu) if cu is not None else None, B, T)
+    gc = chunk_local_cumsum(-4 * torch.rand(B, T, H), plan) if gated else None
+    w = w if use_w else None
+    h, v_new, ht = state_fwd(k, u, plan, w=w, g=gc, initial_state=h0, output_final_state=True)
+    o = output_fwd(q, k, v_new, h, plan, scale=0.5, g=gc)
+    h1, v_new1, ht1, o1 = state_fwd(k, u, plan, w=w, g=gc, initial_state=h0, output_final_state=True, q=q,
+                                    scale=0.5, keep_h=False)
+    for a, b in ((v_new1, v_new), (ht1, ht), (o1, o)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    walked = K <= 128 and not two_level
+    assert (h1 is None) == walked
+    h2 = state_fwd(k, u, plan, w=w, g=gc, initial_state=h0, q=q, scale=0.5)[0]
+    torch.testing.assert_close(h2, h)
+    with pytest.raises(ValueError, match="state_fwd: q"):
+        state_fwd(k, u, plan, gk=torch.zeros(B, T, HK, K), q=q)
+
+
+def test_state_forward_forms_the_output_without_a_gate_only():
+    """The delta rules' default: the walk forms the output without a gate, a launch after it with one
+    (``walk_forms_output``); ``TUNING["state_fwd"]["output"]`` overrides either."""
+    from ttr.kernels.common import index
+    from ttr.kernels.common.state import walk_forms_output
+
+    assert walk_forms_output(gated=False) and not walk_forms_output(gated=True)
+    index.TUNING["state_fwd"] = {"output": True}
+    try:
+        assert walk_forms_output(gated=True)
+    finally:
+        index.TUNING.pop("state_fwd")
+
+
 def test_state_pass_refuses_the_wrong_launch_shape():
     """16-bit inputs with one pipeline stage and BV < 64 gave wrong states on the H200."""
     from ttr.kernels.common.state import _checked
