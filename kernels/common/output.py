@@ -32,7 +32,6 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
-    o_i = tl.arange(0, BT)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -44,17 +43,39 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
         b_h = tl.load(p_h, mask=m_h, other=0.)
         b_o += tl.dot(b_q, b_h.to(b_q.dtype))
         b_A += tl.dot(b_q, b_k)
+    p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+    p_o, m_o = tile(o + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+    b_o = chunk_output(b_o, b_A, tl.load(p_v, mask=m_v, other=0.), g, bos, i_c, T, i_h, scale, H, BT, USE_G)
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def chunk_output(b_o, b_A, b_v, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr,
+                 USE_G: tl.constexpr):
+    """One chunk's output from its two products, ``b_o = q h`` (``[BT, BV]``) and ``b_A = q k^T``
+    (``[BT, BT]``), both fp32, and its values ``b_v``: ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙
+    Γ) v)`` (``output_fwd``'s, and the state walk's when it forms the output)."""
+    o_i = tl.arange(0, BT)
     m_A = o_i[:, None] >= o_i[None, :]
     if USE_G:
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_o *= tl.exp(b_g)[:, None]
         b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_A = tl.where(m_A, b_A, 0.)
-    p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-    p_o, m_o = tile(o + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-    b_v = tl.load(p_v, mask=m_v, other=0.)
-    b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
-    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
+    return (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
+
+
+@triton.jit
+def dv_scores(b_A, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+    """The scores of one chunk's intra-chunk dv, ``[j, i] = scale k_j·q_i Γ_ij`` on ``i >= j`` from
+    ``b_A[j, i] = k_j·q_i`` (fp32): ``dv = scores do`` (``output_bwd_dv``'s, and the backward state
+    walk's when it forms dv)."""
+    o_i = tl.arange(0, BT)
+    m_A = o_i[:, None] <= o_i[None, :]
+    if USE_G:
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
+        b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
+    return tl.where(m_A, b_A * scale, 0.)
 
 
 @triton.jit
@@ -64,17 +85,12 @@ def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: t
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
-    o_i = tl.arange(0, BT)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(qk_rows(k, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
         p_q, m_q = tile(qk_rows(q, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_A += tl.dot(tl.load(p_k, mask=m_k, other=0.), tl.load(p_q, mask=m_q, other=0.))
-    m_A = o_i[:, None] <= o_i[None, :]
-    if USE_G:
-        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-        b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
-    b_A = tl.where(m_A, b_A * scale, 0.)
+    b_A = dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G)
     scores_times_rows(b_A, do, dv, bos, i_c, i_h, T, H, V, BT, BV)
 
 

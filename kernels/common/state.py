@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
-from ttr.kernels.common.output import output_bwd_dv, output_fwd
+from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -141,13 +141,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
         if OUTPUT:
-            m_A = o_i[:, None] >= o_i[None, :]
-            if USE_G:
-                b_gc = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-                b_o *= tl.exp(b_gc)[:, None]
-                b_A *= tl.exp(tl.where(m_A, b_gc[:, None] - b_gc[None, :], 0.))
-            b_A = tl.where(m_A, b_A, 0.)
-            b_o = (b_o + tl.dot(b_A.to(b_k.dtype), b_v.to(b_k.dtype))) * scale
+            b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G)
             _store_half(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_US:
             # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
@@ -216,18 +210,11 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
         if INTRA_DV:
-            # [j, i] = k_j . q_i on i >= j, times Γ_ij = exp(g_i - g_j) (padded rows take the last
-            # valid g, so every exponent stays <= 0), off the chain of dh: only its sum with k dh waits
+            # [j, i] = k_j . q_i, off the chain of dh: only its sum with k dh waits for the chain
             b_A = tl.dot(tl.trans(b_kT), b_q)
             if SPLIT:
                 b_A += tl.dot(tl.trans(b_kT2), b_q2)
-            m_A = o_i[:, None] <= o_i[None, :]
-            if USE_G:
-                b_gc = tl.where(m_t, tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.),
-                                tl.load(g + (bos + last) * H + i_h))
-                b_A *= tl.exp(tl.where(m_A, b_gc[None, :] - b_gc[:, None], 0.))
-            b_A = tl.where(m_A, b_A * scale, 0.)
-            b_dv = tl.dot(b_A.to(b_do.dtype), b_do)
+            b_dv = tl.dot(dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G).to(b_do.dtype), b_do)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles

@@ -231,20 +231,6 @@ def test_state_backward_forms_the_intra_chunk_dv(monkeypatch, B, T, cu, gated, u
         state_bwd(q, k, do, None, plan, scale=0.5, gk=torch.zeros(B, T, HK, K), intra_dv=True)
 
 
-def test_state_backward_forms_the_intra_chunk_dv_without_a_gate_only():
-    """The delta rules' default: one walk without a gate, two launches with one (``walk_forms_dv``);
-    ``TUNING["state_bwd"]["intra_dv"]`` overrides either."""
-    from ttr.kernels.common import index
-    from ttr.kernels.common.state import walk_forms_dv
-
-    assert walk_forms_dv(gated=False) and not walk_forms_dv(gated=True)
-    index.TUNING["state_bwd"] = {"intra_dv": True}
-    try:
-        assert walk_forms_dv(gated=True)
-    finally:
-        index.TUNING.pop("state_bwd")
-
-
 @pytest.mark.parametrize("B,T,cu", CASES)
 @pytest.mark.parametrize("gated,use_w,heads,K,two_level", [
     (False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
@@ -280,18 +266,20 @@ def test_state_forward_forms_the_output(monkeypatch, B, T, cu, gated, use_w, hea
         state_fwd(k, u, plan, gk=torch.zeros(B, T, HK, K), q=q)
 
 
-def test_state_forward_forms_the_output_without_a_gate_only():
-    """The delta rules' default: the walk forms the output without a gate, a launch after it with one
-    (``walk_forms_output``); ``TUNING["state_fwd"]["output"]`` overrides either."""
-    from ttr.kernels.common import index
-    from ttr.kernels.common.state import walk_forms_output
+@pytest.mark.parametrize("choice,stage,key", [("walk_forms_output", "state_fwd", "output"),
+                                              ("walk_forms_dv", "state_bwd", "intra_dv")])
+def test_the_delta_rules_walks_form_their_products_without_a_gate_only(choice, stage, key):
+    """The delta rules' default: the walks form the output and the intra-chunk dv without a gate,
+    launches before or after them with one; ``TUNING[stage][key]`` overrides either."""
+    from ttr.kernels.common import index, state
 
-    assert walk_forms_output(gated=False) and not walk_forms_output(gated=True)
-    index.TUNING["state_fwd"] = {"output": True}
+    forms = getattr(state, choice)
+    assert forms(gated=False) and not forms(gated=True)
+    index.TUNING[stage] = {key: True}
     try:
-        assert walk_forms_output(gated=True)
+        assert forms(gated=True)
     finally:
-        index.TUNING.pop("state_fwd")
+        index.TUNING.pop(stage)
 
 
 def test_state_pass_refuses_the_wrong_launch_shape():
