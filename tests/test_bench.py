@@ -572,6 +572,7 @@ def test_kernel_resources_reads_the_hottest_loop():
     assert kernel_resources.hottest_loop("        /*0000*/                   EXIT ;")["loop_instructions"] == 0
 
 
+@pytest.mark.slow  # compiles every launch with ptxas: about two minutes on two cores
 def test_kernel_resources_compiles_an_ops_launches(tmp_path):
     """The interpreter run records simple GLA's launches; each compiles for sm_90a with its
     registers, stack and shared memory read back; a second run reads the saved launches."""

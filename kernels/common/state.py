@@ -118,14 +118,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
             b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         if OUTPUT:
             # q h with the state before the chunk (rounded as a stored h would be) and q k^T
-            p_qb = qk_rows(q, bos, i_h, H, HK, K)
-            b_q = _load_half(p_qb, i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
+            tl.static_assert(not SPLIT, "the walk forms the output at K <= 128 (state_fwd)")
+            b_q = _load_half(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
             b_o = tl.dot(b_q, b_h.to(b_q.dtype))
             b_A = tl.dot(b_q, b_k)
-            if SPLIT:
-                b_q2 = _load_half(p_qb, i_c * BT, BK, T, K, HK * K, 1, BT, BK)
-                b_o += tl.dot(b_q2, b_h2.to(b_q2.dtype))
-                b_A += tl.dot(b_q2, b_k2)
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
             b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
@@ -211,9 +207,8 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
         b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
         if INTRA_DV:
             # [j, i] = k_j . q_i, off the chain of dh: only its sum with k dh waits for the chain
+            tl.static_assert(not SPLIT, "the walk forms dv at K <= 128 (state_bwd)")
             b_A = tl.dot(tl.trans(b_kT), b_q)
-            if SPLIT:
-                b_A += tl.dot(tl.trans(b_kT2), b_q2)
             b_dv = tl.dot(dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G).to(b_do.dtype), b_do)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
