@@ -583,11 +583,12 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
     if q is not None and (gk is not None or u_scale is not None):
         raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none, and no u_scale")
-    if q is not None and (k.shape[3] > 128 or _two_level("state_fwd", w, plan, gk, heads=u.shape[2])):
+    two_level = _two_level("state_fwd", w, plan, gk, heads=u.shape[2])
+    if q is not None and (k.shape[3] > 128 or two_level):
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g, initial_state=initial_state,
                                  output_final_state=output_final_state)
         return h, v_new, ht, output_fwd(q, k, v_new, h, plan, scale=scale, g=g)
-    if _two_level("state_fwd", w, plan, gk, heads=u.shape[2]):
+    if two_level:
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
                       reverse=False, stage="state_fwd_scan")
@@ -628,11 +629,12 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
             raise ValueError("state_bwd: intra_dv forms dv itself (dv must be None) and takes a scalar gate, not gk")
     elif dv is None and w is not None:
         raise ValueError("state_bwd: the delta rule (w) needs dv")
-    if intra_dv and (k.shape[3] > 128 or _two_level("state_bwd", w, plan, gk, heads=do.shape[2])):
+    two_level = _two_level("state_bwd", w, plan, gk, heads=do.shape[2])
+    if intra_dv and (k.shape[3] > 128 or two_level):
         # the two-level pass has no walk to form it in; the split state's walk (K > 128) formed it
         # wrong with fp32 inputs on the H200 (Triton 3.6: the float64 oracle missed at K = 256)
         dv, intra_dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g), False
-    if _two_level("state_bwd", w, plan, gk, heads=do.shape[2]):
+    if two_level:
         dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
                         stage="state_bwd_scan")

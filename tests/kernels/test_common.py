@@ -201,10 +201,15 @@ def test_state_backward_without_dv(monkeypatch, two_level):
         state_bwd(q, k, do, None, plan, scale=0.5, w=torch.randn(B, T, H, K))
 
 
+# the walks that form the output stage's products: (gate, w, (H, HK), K, two-level pass): the delta
+# rules' walk with and without a gate and with grouped q/k heads, the split state (K > 128, which
+# takes the launches), the walk without w, and the two-level pass
+WALK_CASES = [(False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
+              (False, False, (2, 2), 32, False), (True, False, (2, 2), 32, True)]
+
+
 @pytest.mark.parametrize("B,T,cu", CASES)
-@pytest.mark.parametrize("gated,use_w,heads,K,two_level", [
-    (False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
-    (False, False, (2, 2), 32, False), (True, False, (2, 2), 32, True)])
+@pytest.mark.parametrize("gated,use_w,heads,K,two_level", WALK_CASES)
 def test_state_backward_forms_the_intra_chunk_dv(monkeypatch, B, T, cu, gated, use_w, heads, K, two_level):
     """``intra_dv=True``: the walk (or, on the two-level pass, a launch before it) forms
     ``output_bwd_dv``'s dv itself, and every output matches the two launches', also under a decay
@@ -232,9 +237,7 @@ def test_state_backward_forms_the_intra_chunk_dv(monkeypatch, B, T, cu, gated, u
 
 
 @pytest.mark.parametrize("B,T,cu", CASES)
-@pytest.mark.parametrize("gated,use_w,heads,K,two_level", [
-    (False, True, (2, 2), 32, False), (True, True, (4, 2), 32, False), (True, True, (2, 2), 160, False),
-    (False, False, (2, 2), 32, False), (True, False, (2, 2), 32, True)])
+@pytest.mark.parametrize("gated,use_w,heads,K,two_level", WALK_CASES)
 def test_state_forward_forms_the_output(monkeypatch, B, T, cu, gated, use_w, heads, K, two_level):
     """``state_fwd(q=...)``: the walk (or, on the two-level pass and at K > 128, a launch after it)
     forms ``output_fwd``'s o, and v_new, the final state and o match the two launches' (grouped q/k
