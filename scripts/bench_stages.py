@@ -37,15 +37,16 @@ def _stage_inputs(make_inputs, B: int, T: int, device, shape: Shape | None = Non
 def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
     """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import keep_states
     from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
     from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
     def forward_walk():
-        # as the op runs it: the walk forms the output, or ``output_fwd`` reads its states after it
-        # (``TUNING["state_fwd"]["output"]`` chooses)
+        # as the op runs it: the walk forms the output (writing the states only where the op keeps
+        # them), or ``output_fwd`` reads its states after it (``TUNING["state_fwd"]["output"]`` chooses)
         if walk_forms_output(gated):
-            return state_fwd(k, u, plan, w=w, g=gc, q=q, scale=scale, keep_h=False)[3]
+            return state_fwd(k, u, plan, w=w, g=gc, q=q, scale=scale, keep_h=keep_states(plan))[3]
         h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
         return output_fwd(q, k, vn, h, plan, scale=scale, g=gc)
 

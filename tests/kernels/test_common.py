@@ -271,18 +271,17 @@ def test_state_forward_forms_the_output(monkeypatch, B, T, cu, gated, use_w, hea
 
 @pytest.mark.parametrize("choice,stage,key", [("walk_forms_output", "state_fwd", "output"),
                                               ("walk_forms_dv", "state_bwd", "intra_dv")])
-def test_the_delta_rules_walks_form_their_products_without_a_gate_only(choice, stage, key):
+def test_the_delta_rules_walks_form_their_products_without_a_gate_only(monkeypatch, choice, stage, key):
     """The delta rules' default: the walks form the output and the intra-chunk dv without a gate,
-    launches before or after them with one; ``TUNING[stage][key]`` overrides either."""
+    launches before or after them with one; ``TUNING[stage][key]`` overrides either way."""
     from ttr.kernels.common import index, state
 
     forms = getattr(state, choice)
     assert forms(gated=False) and not forms(gated=True)
-    index.TUNING[stage] = {key: True}
-    try:
-        assert forms(gated=True)
-    finally:
-        index.TUNING.pop(stage)
+    monkeypatch.setitem(index.TUNING, stage, {key: True})
+    assert forms(gated=True)
+    monkeypatch.setitem(index.TUNING, stage, {key: False})
+    assert not forms(gated=False)
 
 
 def test_state_pass_refuses_the_wrong_launch_shape():
