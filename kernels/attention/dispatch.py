@@ -134,12 +134,34 @@ def choose_path(q, k, *, window, scale, packed: bool, max_len: int) -> str:
 def sdpa_causal(q, k, v, scale):
     """Plain batch, full causal: SDPA on ``[B, H, T, D]`` views of ttr's ``[B, T, H, D]``. The
     views cost nothing: FlashAttention and the efficient kernel run on that layout themselves and
-    return an output whose transpose back is contiguous."""
+    return an output whose transpose back is contiguous.
+
+    Where cuDNN leads ``SDPA_BACKENDS`` and takes the call (SDPA's own test of it), its op is called
+    directly, as SDPA would call it: entering and leaving ``sdpa_kernel`` costs more host time than
+    the rest of the call, and a call with a small input waits on its host."""
     tr = lambda x: x.transpose(1, 2)
+    qt, kt, vt = tr(q), tr(k), tr(v)
+    if _cudnn_takes(qt, kt, vt):
+        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return tr(_cudnn_op()(qt, kt, vt, None, lse, 0.0, True, False, scale=scale)[0])
     with _sdpa_backends():
-        o = F.scaled_dot_product_attention(tr(q), tr(k), tr(v), is_causal=True, scale=scale,
-                                           enable_gqa=q.shape[2] != k.shape[2])
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return tr(o)
+
+
+def _cudnn_op():
+    return torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
+def _cudnn_takes(q, k, v) -> bool:
+    """Whether SDPA would run ``[B, H, T, D]`` q, k, v on cuDNN first: cuDNN leads ``SDPA_BACKENDS``
+    and accepts them (no grouped kv heads, which it leaves to the others, and not under
+    ``torch.use_deterministic_algorithms``, whose backward it does not guarantee)."""
+    if SDPA_BACKENDS[0] != SDPBackend.CUDNN_ATTENTION or q.shape[1] != k.shape[1]:
+        return False
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    return torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False))
 
 
 def _sdpa_backends():

@@ -252,3 +252,47 @@ def test_bench_attention_runs_on_cpu(monkeypatch, capsys, tmp_path):
     bounds = bench_attention.packed_bounds(1000, 64, 24)
     assert bounds[0] == 0 and bounds[-1] == 1000 and sorted(bounds) == bounds
     assert all(e - s <= 64 and (s // 64 == (e - 1) // 64) for s, e in zip(bounds[:-1], bounds[1:]))
+
+
+def fake_cudnn(calls):
+    """``aten._scaled_dot_product_cudnn_attention`` by its schema, in torch (math SDPA), recording
+    the arguments it was called with."""
+
+    def op(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+           scale=None):
+        calls.append(dict(shape=tuple(q.shape), bias=attn_bias, lse=compute_log_sumexp, dropout=dropout_p,
+                          causal=is_causal, debug=return_debug_mask, scale=scale))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return (o,) + (None,) * 8
+
+    return op
+
+
+@pytest.mark.parametrize("case", ["direct", "gqa", "deterministic", "flash_first", "no_grad"])
+def test_sdpa_path_calls_cudnn_directly_where_sdpa_would(monkeypatch, case):
+    """Where cuDNN leads SDPA_BACKENDS and accepts the call, ``sdpa_causal`` runs its op directly (no
+    backend context per call) with SDPA's arguments; grouped kv heads, deterministic mode or another
+    backend first take SDPA's own dispatch. Values and gradients match the oracle either way."""
+    from torch.nn.attention import SDPBackend
+
+    calls = []
+    monkeypatch.setattr(dispatch, "_cudnn_op", lambda: fake_cudnn(calls))
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda params, debug=False: True)
+    if case == "flash_first":
+        monkeypatch.setattr(dispatch, "SDPA_BACKENDS", (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION))
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 33, 4, 2 if case == "gqa" else 4, 16))
+    with torch.set_grad_enabled(case != "no_grad"):
+        o = dispatch.sdpa_causal(q, k, v, 0.25)
+    want = reference_attention(q.double(), k.double(), v.double(), scale=0.25)
+    assert o.shape == q.shape and o.is_contiguous() and rel_err(o, want) < 1e-5
+    direct = case in ("direct", "no_grad")
+    assert calls == ([dict(shape=(2, 4, 33, 16), bias=None, lse=case == "direct", dropout=0.0, causal=True,
+                           debug=False, scale=0.25)] if direct else [])
+    if case != "no_grad":
+        do = torch.randn_like(o)
+        got = torch.autograd.grad(o, (q, k, v), do)
+        ref = torch.autograd.grad(want, (q, k, v), do.double())
+        for x, r in zip(got, ref):
+            assert rel_err(x, r) < 1e-5
