@@ -47,6 +47,9 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32).
 - ``tile.tile(base, r0, c0, n_r, n_c, s_r, s_c, BR, BC) -> (pointers, mask)``: pointer tiles
   (Triton 3.9 removed block pointers).
+- ``overlap.beside(fn, device) -> join``: ``fn``'s launches on a second CUDA stream after the work
+  queued so far, ``join()`` their result once the current stream has waited for them (at once off
+  the GPU); GLA's backward forms its states again this way (``overlap``'s docstring says why only it).
 - ``index.tuned(stage, **defaults)`` / ``index.TUNING``: launch parameters per stage, overridable
   for sweeps (``ttr bench --stages --sweep``); never set in normal use.
 - ``torch_chunk.chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,

@@ -13,8 +13,9 @@ the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q âŠ™ dq - k â
 state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
 to stage in v's dtype.
 The forward keeps ``A`` and the cumulative gate (in place of the raw gate, which the backward does
-not need); the states ``h`` are recomputed in the backward, or for long sequences kept by the
-forward (``index.KEEP_STATES_MIN_CHUNKS``).
+not need); the states ``h`` are recomputed in the backward, on a second stream beside the stages
+up to ``vector_gate_bwd_dqkg`` (``common.overlap``), or for long sequences kept by the forward
+(``index.KEEP_STATES_MIN_CHUNKS``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ttr.kernels.common.intra_vector_gate import (
     vector_gate_output,
     vector_gate_scores,
 )
+from ttr.kernels.common.overlap import kept_or_beside
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs
@@ -59,16 +61,15 @@ class ChunkGLAFunction(torch.autograd.Function):
         q, k, v, gk, A, initial_state, *kept = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
-        if kept:
-            (h,) = kept
-        else:
-            h, _, _ = state_fwd(k, v, plan, gk=gk, initial_state=initial_state)
+        # the states formed again beside the stages up to dq/dk, which do not read them (``overlap``)
+        states = kept_or_beside(kept[0] if kept else None,
+                                lambda: state_fwd(k, v, plan, gk=gk, initial_state=initial_state)[0], q.device)
         dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
         dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
                                 dht=None if dht is None else dht.contiguous(),
                                 need_dh0=initial_state is not None)
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
-        dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dq_intra, dk_intra, plan, scale=scale)
+        dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale)
         return dq, dk, dv, dg, dh0, None, None, None
 
 
