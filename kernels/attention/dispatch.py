@@ -137,8 +137,8 @@ def sdpa_causal(q, k, v, scale):
     return an output whose transpose back is contiguous.
 
     Where cuDNN leads ``SDPA_BACKENDS`` and takes the call (SDPA's own test of it), its op is called
-    directly, as SDPA would call it: entering and leaving ``sdpa_kernel`` costs more host time than
-    the rest of the call, and a call with a small input waits on its host."""
+    directly, as SDPA would call it: entering and leaving ``sdpa_kernel`` costs about as much host
+    time as the rest of the call, and a call with a small input waits on its host."""
     tr = lambda x: x.transpose(1, 2)
     qt, kt, vt = tr(q), tr(k), tr(v)
     if _cudnn_takes(qt, kt, vt):
