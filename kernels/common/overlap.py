@@ -4,28 +4,26 @@ Where the forward did not keep the chunk states, a chunk op's backward forms the
 over the chunks, one program per (sequence, head, value block) through its chunks in turn, bound
 by the latency of its steps: at training shapes one walk leaves most of the GPU's SMs idle. GLA's
 backward runs that walk beside its stages up to dq/dk (the intra-chunk dv and dA, the reverse
-walk for dh, the intra-chunk dq/dk), none of which reads the states: 1 - 5 % of its fwd+bwd on an
-H200. The delta rules and SSD run theirs in turn: beside their shorter run of stages (a launch and
-the reverse walk) the two walks contend for the same SMs, and the op measured slower at some
-lengths (docs/benchmarks.md).
+walk for dh, the intra-chunk dq/dk), none of which reads the states, and measured faster for it.
+The delta rules and SSD run theirs in turn: beside their shorter run of stages (a launch and the
+reverse walk) the two walks contend for the same SMs, and the op measured slower at some lengths
+(docs/benchmarks.md holds both measurements).
 
-``beside(fn, device)`` queues ``fn`` (kernel launches) on a second stream of ``device`` after the
-work already queued on the current one, and returns ``join``: join makes the current stream wait
-for ``fn``'s kernels and returns fn's result, its tensors marked as used by the current stream (so
-the caching allocator does not hand their memory to another tensor before the current stream is
-done with them). Whatever ``fn`` reads was allocated on the current stream and outlives ``join``.
+``beside(fn, device)`` queues ``fn`` (kernel launches that return a tensor) on a second stream of
+``device`` after the work already queued on the current one, and returns ``join``: join makes the
+current stream wait for ``fn``'s kernels and returns fn's tensor, marked as used by the current
+stream (so the caching allocator does not hand its memory to another tensor before the current
+stream is done with it). Whatever ``fn`` reads was allocated on the current stream and outlives ``join``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
 from ttr.kernels.common.index import tuned
 
-R = TypeVar("R")
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
@@ -36,14 +34,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[index]
 
 
-def _tensors(result):
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, (tuple, list)):
-        return [t for t in result if isinstance(t, torch.Tensor)]
-    return []
-
-
 def overlapping(device: torch.device) -> bool:
     """Whether ``beside`` runs its work on a second stream: on a CUDA device, unless
     ``TUNING["overlap"] = {"enabled": False}`` (for measurement) or a CUDA graph is being captured."""
@@ -51,7 +41,7 @@ def overlapping(device: torch.device) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def beside(fn: Callable[[], R], device: torch.device) -> Callable[[], R]:
+def beside(fn: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
     """Start ``fn()`` on a second stream of ``device`` (see the module docstring) and return the
     join; where ``overlapping`` is false, fn runs at once and the join returns its result."""
     if not overlapping(device):
@@ -63,16 +53,16 @@ def beside(fn: Callable[[], R], device: torch.device) -> Callable[[], R]:
     with torch.cuda.stream(side):
         result = fn()
 
-    def join() -> R:
+    def join() -> torch.Tensor:
         main.wait_stream(side)
-        for t in _tensors(result):
-            t.record_stream(main)
+        result.record_stream(main)
         return result
 
     return join
 
 
-def kept_or_beside(kept: R | None, form: Callable[[], R], device: torch.device) -> Callable[[], R]:
+def kept_or_beside(kept: torch.Tensor | None, form: Callable[[], torch.Tensor],
+                   device: torch.device) -> Callable[[], torch.Tensor]:
     """The join of ``beside(form, device)``, or, where the forward kept the result (``kept`` is not
     None), a join that returns it."""
     if kept is not None:

@@ -502,7 +502,7 @@ def walk_forms_output(gated: bool) -> bool:
     DeltaNet's 0.261 / 0.259 / 0.405 against 0.345 / 0.346 / 0.777: its walk with the output and
     the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on 8, and
     no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it still
-    took 0.283 against 0.259 at 4 x 4096: the gate's tile and masks nearly double each step's
+    lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly double each step's
     instructions."""
     return bool(tuned("state_fwd", output=not gated)["output"])
 
@@ -515,8 +515,7 @@ def walk_forms_dv(gated: bool) -> bool:
     DeltaNet 0.220 / 0.216 / 0.352 as two launches, 0.185 / 0.180 / 0.333 as one. With a gate the
     one walk loses, 0.409 / 0.404 / 0.930 against 0.263 / 0.260 / 0.421: its scores' gate tile takes
     the walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton
-    3.6, ``kernel_resources``), and on 4 warps over value blocks of 32 it measured 0.317 - 0.325 at
-    8 x 2048 and 4 x 4096."""
+    3.6, ``kernel_resources``), and on 4 warps over value blocks of 32 it measured 0.317 at 8 x 2048."""
     return bool(tuned("state_bwd", intra_dv=not gated)["intra_dv"])
 
 

@@ -106,8 +106,8 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
         tl.debug_barrier()
         # rows 2 and 3, then row 4: a row's A blocks are loaded before a barrier and its inverse
         # blocks, which overwrite them, stored after it; row 4's are loaded once rows 2 and 3 are
-        # done, so fewer 16 x 16 blocks are live at once (2 warps, Triton 3.6: 40 bytes of spill
-        # instead of 200, and the stage 5 - 7 % faster on an H200)
+        # done, so fewer 16 x 16 blocks are live at once: on 2 warps the merge spilled less and the
+        # stage ran faster (docs/benchmarks.md, the WY forward's choice)
         b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
         b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
         b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)

@@ -268,16 +268,18 @@ def fake_cudnn(calls):
     return op
 
 
-@pytest.mark.parametrize("case", ["direct", "gqa", "deterministic", "flash_first", "no_grad"])
+@pytest.mark.parametrize("case", ["direct", "gqa", "deterministic", "flash_first", "cudnn_refuses", "no_grad"])
 def test_sdpa_path_calls_cudnn_directly_where_sdpa_would(monkeypatch, case):
     """Where cuDNN leads SDPA_BACKENDS and accepts the call, ``sdpa_causal`` runs its op directly (no
-    backend context per call) with SDPA's arguments; grouped kv heads, deterministic mode or another
-    backend first take SDPA's own dispatch. Values and gradients match the oracle either way."""
+    backend context per call) with SDPA's arguments; grouped kv heads, deterministic mode, another
+    backend first or inputs cuDNN refuses take SDPA's own dispatch. Values and gradients match the
+    oracle either way."""
     from torch.nn.attention import SDPBackend
 
     calls = []
     monkeypatch.setattr(dispatch, "_cudnn_op", lambda: fake_cudnn(calls))
-    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda params, debug=False: True)
+    accepts = case != "cudnn_refuses"
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", lambda params, debug=False: accepts)
     if case == "flash_first":
         monkeypatch.setattr(dispatch, "SDPA_BACKENDS", (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION))
     if case == "deterministic":
