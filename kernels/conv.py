@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_packing, segments, tuned
 from ttr.kernels.norm import l2_norm, reference_l2_norm
@@ -39,6 +40,12 @@ from ttr.kernels.utils import (
 )
 
 ACTIVATIONS = (None, "silu")
+# Compiled for a GPU, the activation takes the hardware's approximate exp and divide: the backward
+# walk issues about as many instructions as its SM retires in its time, and tl.sigmoid's exp and
+# division each add range checks for results below 2^-126 or divisors above 2^126 that a sigmoid
+# never needs (its exp flushing to 0 or its divisor overflowing both give the right limit). The
+# interpreter has no libdevice and takes tl.sigmoid.
+_APPROX = tl.constexpr(not interpreter_active())
 # Largest channel group the fused L2 norm takes (a block holds whole groups); larger or
 # non-power-of-2 groups are normed after the conv.
 MAX_L2_GROUP = 256
@@ -160,11 +167,20 @@ def _group_sum(b_t, BT: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(b_a):
+    """1 / (1 + exp(-a)) in fp32: by ``ex2.approx.ftz`` and ``div.approx`` on the GPU (``_APPROX``)."""
+    if _APPROX:
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-b_a))
+    else:
+        return tl.sigmoid(b_a)
+
+
+@triton.jit
 def _activation(b_a, SILU: tl.constexpr):
     """(act(a), sigmoid(a)): SiLU and the sigmoid its derivative reuses, or (a, a) without it."""
     b_u, b_sig = b_a, b_a
     if SILU:
-        b_sig = tl.sigmoid(b_a)
+        b_sig = _sigmoid(b_a)
         b_u = b_a * b_sig
     return b_u, b_sig
 
@@ -187,7 +203,7 @@ def _conv_fwd_kernel(x, w, bias, init, y, seq_idx, cu, T, D, s_xb, s_xt, W: tl.c
     m_td = m_t[:, None] & m_d[None, :]
     b_u, _ = _activation(b_a, SILU)
     if L2 > 0:
-        b_u = b_u / tl.sqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
+        b_u = b_u * tl.math.rsqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
     tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
 
 
@@ -266,7 +282,7 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
     b_g = b_dy
     b_u, b_sig = _activation(b_a, SILU)
     if L2 > 0:
-        b_rstd = 1.0 / tl.sqrt(_group_sum_row(b_u * b_u, BD, L2) + eps)
+        b_rstd = tl.math.rsqrt(_group_sum_row(b_u * b_u, BD, L2) + eps)
         b_yn = b_u * b_rstd
         b_g = b_rstd * (b_g - b_yn * _group_sum_row(b_g * b_yn, BD, L2))
     if SILU:
