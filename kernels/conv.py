@@ -41,10 +41,10 @@ from ttr.kernels.utils import (
 
 ACTIVATIONS = (None, "silu")
 # Compiled for a GPU, the activation takes the hardware's approximate exp and divide: the backward
-# walk issues about as many instructions as its SM retires in its time, and tl.sigmoid's exp and
-# division each add range checks for results below 2^-126 or divisors above 2^126 that a sigmoid
-# never needs (its exp flushing to 0 or its divisor overflowing both give the right limit). The
-# interpreter has no libdevice and takes tl.sigmoid.
+# walk is bound by the instructions it issues (a few loads per element against dozens of fp32
+# operations), and tl.sigmoid's exp and division each add range checks for results below 2^-126 or
+# divisors above 2^126 that a sigmoid never needs (its exp flushing to 0 or its divisor overflowing
+# both give the right limit). The interpreter has no libdevice and takes tl.sigmoid.
 _APPROX = tl.constexpr(not interpreter_active())
 # Largest channel group the fused L2 norm takes (a block holds whole groups); larger or
 # non-power-of-2 groups are normed after the conv.
