@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from ttr.kernels.common.approx import fast_sigmoid
 from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_packing, segments, tuned
 from ttr.kernels.norm import l2_norm, reference_l2_norm
 from ttr.kernels.utils import (
@@ -40,12 +40,6 @@ from ttr.kernels.utils import (
 )
 
 ACTIVATIONS = (None, "silu")
-# Compiled for a GPU, the activation takes the hardware's approximate exp and divide: the backward
-# walk is bound by the instructions it issues (a few loads per element against dozens of fp32
-# operations), and tl.sigmoid's exp and division each add range checks for results below 2^-126 or
-# divisors above 2^126 that a sigmoid never needs (its exp flushing to 0 or its divisor overflowing
-# both give the right limit). The interpreter has no libdevice and takes tl.sigmoid.
-_APPROX = tl.constexpr(not interpreter_active())
 # Largest channel group the fused L2 norm takes (a block holds whole groups); larger or
 # non-power-of-2 groups are normed after the conv.
 MAX_L2_GROUP = 256
@@ -167,20 +161,13 @@ def _group_sum(b_t, BT: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(b_a):
-    """1 / (1 + exp(-a)) in fp32: by ``ex2.approx.ftz`` and ``div.approx`` on the GPU (``_APPROX``)."""
-    if _APPROX:
-        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-b_a))
-    else:
-        return tl.sigmoid(b_a)
-
-
-@triton.jit
 def _activation(b_a, SILU: tl.constexpr):
-    """(act(a), sigmoid(a)): SiLU and the sigmoid its derivative reuses, or (a, a) without it."""
+    """(act(a), sigmoid(a)): SiLU and the sigmoid its derivative reuses, or (a, a) without it. The
+    backward walk is bound by the instructions it issues (a few loads per element against dozens of
+    fp32 operations), hence ``approx.fast_sigmoid``."""
     b_u, b_sig = b_a, b_a
     if SILU:
-        b_sig = _sigmoid(b_a)
+        b_sig = fast_sigmoid(b_a)
         b_u = b_a * b_sig
     return b_u, b_sig
 
