@@ -43,7 +43,9 @@ cancellation between large factored terms. Padded rows (``>= eos``) read ``G_l``
 row's gate, and 0 for q and k, so their exponents stay within ``[-span, span]`` as well. A
 sub-chunk whose per-token log gates are >= -4 in every key dimension spans <= 60, so with GLA's
 usual gates (``logsigmoid(x) / 16``) the fallback is rare. In the off-diagonal blocks an underflow
-to 0 of one factor is harmless: the true product is smaller still.
+to 0 of one factor is harmless: the true product is smaller still. The exponentials are
+``approx.fast_exp``, which flushes results below 2^-126 to 0 where ``tl.exp`` keeps them denormal:
+an underflow of this kind, and the stages spend fewer instructions on each exponential.
 
 The backward: ``dA = scale * tril(do v^T)`` and the intra part of v's gradient, ``A^T do``, which
 ``state.state_bwd`` completes (both from one read of do, ``vector_gate_dv_dA``), the intra parts of
@@ -63,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
 from ttr.kernels.common.tile import chunk_span
 
@@ -107,15 +110,15 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
         b_gl = tl.load(gk + (l_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] last valid row
         b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
         b_g = tl.where(m_i[:, None], tl.load(gk + p_ik, mask=m_ik, other=0), b_gl[None, :])  # padded: G_l
-        b_qg = b_q * tl.exp(b_g - b_gn[None, :])  # exponent in [-span, 0]
+        b_qg = b_q * fast_exp(b_g - b_gn[None, :])  # exponent in [-span, 0]
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_kt = tl.load(k + p_tk, mask=m_tk, other=0).to(tl.float32)  # [BT, BK]
         b_gt = tl.load(gk + p_tk, mask=m_tk, other=0)
-        b_A += tl.dot(b_qg, tl.trans(b_kt * tl.exp(tl.where(m_tk, b_gn[None, :] - b_gt, 0))))
+        b_A += tl.dot(b_qg, tl.trans(b_kt * fast_exp(tl.where(m_tk, b_gn[None, :] - b_gt, 0))))
         b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)  # outside the branch: pipelined
         if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
-            b_kg = b_k * tl.exp(b_gn[None, :] - b_g)  # exponent in [0, span]
+            b_kg = b_k * fast_exp(b_gn[None, :] - b_g)  # exponent in [0, span]
             b_Ad += tl.where(m_tri, tl.dot(b_qg, tl.trans(b_kg)), 0)
         else:
             # fallback, one column j at a time: [BC, BK] element-wise, exponent masked to j <= i
@@ -126,7 +129,7 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
                 b_kj = tl.load(k + p_j, mask=m_j, other=0).to(tl.float32)
                 b_gj = tl.load(gk + p_j, mask=m_j, other=0)
                 m_e = (o_c >= tl.where(j_ok, j, BC)) & m_i
-                b_e = tl.exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
+                b_e = fast_exp(tl.where(m_e[:, None], b_g - b_gj[None, :], float("-inf")))
                 b_a = tl.sum(b_q * b_kj[None, :] * b_e, 1)
                 b_Ad += tl.where(o_c[None, :] == j, b_a[:, None], 0)
     # two disjoint stores: the row strip without the diagonal sub-block's columns, then that block
@@ -153,7 +156,7 @@ def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scal
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0)  # [BT, BK]
         b_g = tl.load(gk + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0)
-        b_qg = (b_q.to(tl.float32) * tl.exp(b_g)).to(b_q.dtype)
+        b_qg = (b_q.to(tl.float32) * fast_exp(b_g)).to(b_q.dtype)
         p_h = h + ((i_t.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0).to(b_q.dtype)  # [BK, BV]
         b_o += tl.dot(b_qg, b_h)
@@ -228,7 +231,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
         m_ak = m_a[:, None] & m_k[None, :]
         p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_gt = tl.load(gk + p_tk, mask=m_bk | m_ak, other=0)  # [BT, BK]
-        b_et = tl.exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
+        b_et = fast_exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
         b_kt = tl.load(k + p_tk, mask=m_bk, other=0).to(tl.float32)
         b_qt = tl.load(q + p_tk, mask=m_ak, other=0).to(tl.float32)
         b_dq = tl.dot(b_dAr, b_kt * b_et)  # [BC, BK]
@@ -237,13 +240,13 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
         b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
         if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
             # the diagonal sub-block through the same reference points: exponents in [0, span]
-            b_dq += tl.dot(b_dAd, b_k * tl.exp(b_gn[None, :] - b_g))
-            b_dk += tl.dot(tl.trans(b_dAd), b_q * tl.exp(b_g - b_gl[None, :]))
-            b_dq *= tl.exp(b_g - b_gn[None, :])
-            b_dk *= tl.exp(b_gl[None, :] - b_g)
+            b_dq += tl.dot(b_dAd, b_k * fast_exp(b_gn[None, :] - b_g))
+            b_dk += tl.dot(tl.trans(b_dAd), b_q * fast_exp(b_g - b_gl[None, :]))
+            b_dq *= fast_exp(b_g - b_gn[None, :])
+            b_dk *= fast_exp(b_gl[None, :] - b_g)
         else:
-            b_dq *= tl.exp(b_g - b_gn[None, :])
-            b_dk *= tl.exp(b_gl[None, :] - b_g)
+            b_dq *= fast_exp(b_g - b_gn[None, :])
+            b_dk *= fast_exp(b_gl[None, :] - b_g)
             # fallback: the diagonal sub-block one token x at a time, [BC, BK] element-wise: x as the
             # column (dq of rows i >= x) and as the row (dk of rows j <= x); exponents masked before exp
             for x in range(BC):
@@ -257,9 +260,9 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
                                   other=0)  # [BC] over i
                 b_dArow = tl.load(dA + ((s_i + x) * H + i_h) * BT + i_i * BC + o_c,
                                   mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
-                b_eq = tl.exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
+                b_eq = fast_exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
                                        float("-inf")))
-                b_ek = tl.exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
+                b_ek = fast_exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
                                        float("-inf")))
                 b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
                 b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
@@ -300,10 +303,10 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_gl = tl.load(gk + (last * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK]
     b_q = tl.load(q + p_tk, mask=m_tk, other=0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0).to(tl.float32)
-    b_dq = b_dq * tl.exp(b_g) * scale
-    b_dk = tl.where(m_tk, b_dk * tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, 0)), 0)
+    b_dq = b_dq * fast_exp(b_g) * scale
+    b_dk = tl.where(m_tk, b_dk * fast_exp(tl.where(m_tk, b_gl[None, :] - b_g, 0)), 0)
     # the state update h' = exp(G_last) h + (k exp(G_last - G))^T v depends on G_last directly
-    b_dgl = b_hdh * tl.exp(b_gl) + tl.sum(b_k * b_dk, 0)
+    b_dgl = b_hdh * fast_exp(b_gl) + tl.sum(b_k * b_dk, 0)
     b_dq += tl.load(dq_intra + p_tk, mask=m_tk, other=0)
     b_dk += tl.load(dk_intra + p_tk, mask=m_tk, other=0)
     b_dG = b_q * b_dq - b_k * b_dk
