@@ -261,9 +261,9 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
                 b_dArow = tl.load(dA + ((s_i + x) * H + i_h) * BT + i_i * BC + o_c,
                                   mask=o_c <= tl.where(x_ok, x, -1), other=0)  # [BC] over j
                 b_eq = fast_exp(tl.where(((o_c >= tl.where(x_ok, x, BC)) & m_i)[:, None], b_g - b_gx[None, :],
-                                       float("-inf")))
+                                         float("-inf")))
                 b_ek = fast_exp(tl.where(((o_c <= tl.where(x_ok, x, -1)) & m_i)[:, None], b_gx[None, :] - b_g,
-                                       float("-inf")))
+                                         float("-inf")))
                 b_dq += b_dAcol[:, None] * b_eq * b_kx[None, :]
                 b_dk += b_dArow[:, None] * b_ek * b_qx[None, :]
         tl.store(dq + p_ik, b_dq, mask=m_ik)
