@@ -52,7 +52,7 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   the GPU); GLA's backward forms its states again this way (``overlap``'s docstring says why only it).
 - ``approx.fast_exp(x)`` / ``approx.fast_sigmoid(x)``: fp32 exp and sigmoid by ``ex2.approx.ftz`` and
   ``div.approx`` on the GPU (results below 2^-126 flushed to 0), ``tl.exp`` / ``tl.sigmoid`` under the
-  interpreter; GLA's intra-chunk stages and the short conv take them.
+  interpreter; every stage of the engine and the short conv take them.
 - ``index.tuned(stage, **defaults)`` / ``index.TUNING``: launch parameters per stage, overridable
   for sweeps (``ttr bench --stages --sweep``); never set in normal use.
 - ``torch_chunk.chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state,

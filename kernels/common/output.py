@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
@@ -59,8 +60,8 @@ def chunk_output(b_o, b_A, b_v, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT:
     m_A = o_i[:, None] >= o_i[None, :]
     if USE_G:
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-        b_o *= tl.exp(b_g)[:, None]
-        b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_o *= fast_exp(b_g)[:, None]
+        b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_A = tl.where(m_A, b_A, 0.)
     return (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
 
@@ -74,7 +75,7 @@ def dv_scores(b_A, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr
     m_A = o_i[:, None] <= o_i[None, :]
     if USE_G:
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-        b_A *= tl.exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
+        b_A *= fast_exp(tl.where(m_A, b_g[None, :] - b_g[:, None], 0.))
     return tl.where(m_A, b_A * scale, 0.)
 
 
@@ -150,9 +151,9 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         last = tl.minimum((i_c + 1) * BT, T) - 1
         b_gl = tl.load(g + (bos + last) * H + i_h)
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-        b_dqs *= tl.exp(b_g)[:, None]
-        b_dksT *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[None, :]
-        b_dS *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_dqs *= fast_exp(b_g)[:, None]
+        b_dksT *= fast_exp(tl.where(m_t, b_gl - b_g, 0.))[None, :]
+        b_dS *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_dS = tl.where(m_A, b_dS * scale, 0.)
     b_dq = b_dqs + tl.dot(b_dS.to(b_k.dtype), b_k)
     # dk = dS^T q is formed transposed, dk^T = q^T dS, so dS enters the product as formed:
@@ -171,7 +172,7 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         # dG_i = q_i . dq_i - k_i . dk_i (+ the last row's terms): no q k^T product needed
         b_kT = tl.trans(b_k).to(tl.float32)
         b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dkT * b_kT, 0)
-        b_dg += tl.where(i_c * BT + o_i == last, tl.sum(b_dksT * b_kT) + tl.exp(b_gl) * tl.sum(b_hdh, 0), 0.)
+        b_dg += tl.where(i_c * BT + o_i == last, tl.sum(b_dksT * b_kT) + fast_exp(b_gl) * tl.sum(b_hdh, 0), 0.)
         tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
 
 

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
 from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
@@ -77,8 +78,8 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
     o_k = k0 + tl.arange(0, BK)
     b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
     b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
-    b_kd = (b_k * tl.exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
-    return b_kd, tl.exp(b_gkl), b_gk
+    b_kd = (b_k * fast_exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
+    return b_kd, fast_exp(b_gkl), b_gk
 
 
 @triton.jit
@@ -146,10 +147,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
-            b_v *= tl.exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
-            b_h *= tl.exp(b_gl)
+            b_v *= fast_exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
+            b_h *= fast_exp(b_gl)
             if SPLIT:
-                b_h2 *= tl.exp(b_gl)
+                b_h2 *= fast_exp(b_gl)
         if USE_GK:
             b_k, b_dec, _ = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
             b_h *= b_dec[:, None]
@@ -215,14 +216,14 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
-            b_dec = tl.exp(tl.where(m_t, b_gl - b_g, 0.))
-            b_do = (b_do * tl.exp(b_g)[:, None]).to(b_do.dtype)
+            b_dec = fast_exp(tl.where(m_t, b_gl - b_g, 0.))
+            b_do = (b_do * fast_exp(b_g)[:, None]).to(b_do.dtype)
         if USE_GK:
             b_kT, b_e, b_gk = _decay_kT(b_kT, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
-            b_q = (b_q * tl.exp(b_gk)).to(b_q.dtype)
+            b_q = (b_q * fast_exp(b_gk)).to(b_q.dtype)
             if SPLIT:
                 b_kT2, b_e2, b_gk2 = _decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
-                b_q2 = (b_q2 * tl.exp(b_gk2)).to(b_q2.dtype)
+                b_q2 = (b_q2 * fast_exp(b_gk2)).to(b_q2.dtype)
         if USE_DV:
             # dv2 = dv + (k ⊙ decay) dh: the k^T tile is loaded transposed, so k = trans(load)
             if not INTRA_DV:
@@ -244,9 +245,9 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             b_dv += b_kdh
             _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_G:
-            b_dh *= tl.exp(b_gl)
+            b_dh *= fast_exp(b_gl)
             if SPLIT:
-                b_dh2 *= tl.exp(b_gl)
+                b_dh2 *= fast_exp(b_gl)
         if USE_GK:
             b_dh *= b_e[:, None]
             if SPLIT:
@@ -280,14 +281,14 @@ def _gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # [BT]
         if DECAY:
             b_g = tl.load(g + (bos + last) * H + i_h) - b_g
-        b_x = (b_x * tl.exp(b_g)[None, :]).to(b_x.dtype)
+        b_x = (b_x * fast_exp(b_g)[None, :]).to(b_x.dtype)
     if USE_GK:
         if DECAY:
             m_t = i_c * BT + tl.arange(0, BT) < T
             b_x, _, _ = _decay_kT(b_x, gk, bos, last, i_c, m_t, i_h, k0, T, H, K, BT, BK)
         else:
             b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
-            b_x = (b_x * tl.exp(b_gk)).to(b_x.dtype)
+            b_x = (b_x * fast_exp(b_gk)).to(b_x.dtype)
     return b_x
 
 
@@ -342,9 +343,9 @@ def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.cons
         _store_half(h + p_c, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
         last = bos + tl.minimum((i_c + 1) * BT, T) - 1
         if USE_G:
-            b_s *= tl.exp(tl.load(g + last * H + i_h + tl.zeros([BK, 1], dtype=tl.int32)))
+            b_s *= fast_exp(tl.load(g + last * H + i_h + tl.zeros([BK, 1], dtype=tl.int32)))
         if USE_GK:
-            b_s *= tl.exp(tl.load(gk + (last * H + i_h) * K + o_k, mask=o_k < K, other=0.))[:, None]
+            b_s *= fast_exp(tl.load(gk + (last * H + i_h) * K + o_k, mask=o_k < K, other=0.))[:, None]
         b_s += _load_half(d + p_c, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
     if STORE_ST:
         _store_half(sT + i_nh.to(tl.int64) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, tile
 
@@ -97,7 +98,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
             b_A += tl.dot(b_k, tl.trans(b_k))
         m_A = o_i[:, None] > o_i[None, :]
         if USE_G:
-            b_A *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+            b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
         b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
         tl.store(p_Ai, b_A, mask=m_t[:, None])
         tl.debug_barrier()
@@ -140,7 +141,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
         p_w, m_w = tile(w + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
         if USE_G:
-            b_k = (b_k * tl.exp(b_g)[:, None]).to(b_k.dtype)
+            b_k = (b_k * fast_exp(b_g)[:, None]).to(b_k.dtype)
         b_w = tl.dot(b_T.to(b_k.dtype), b_k)
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_w)
     for i_v in range(tl.cdiv(V, BV)):
@@ -165,7 +166,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if USE_G:
         b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-        b_eg = tl.exp(b_g)
+        b_eg = fast_exp(b_g)
 
     # Ordered so that few [BT, BT] fp32 tiles are live at once (each is 32 registers per thread
     # at 4 warps): dT first, then Ainv, then dA, all consumed before the last loop. With the gate,
@@ -205,7 +206,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     b_dA = _dot3(tl.trans(b_Ai), b_dT * b_beta[None, :])
     b_dA = tl.where(m_A, -_dot3(b_dA, tl.trans(b_Ai)), 0.)
     if USE_G:
-        b_dA *= tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+        b_dA *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
         b_KK = tl.zeros([BT, BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
             p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
