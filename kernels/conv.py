@@ -240,23 +240,29 @@ def _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN: tl.constexpr)
 def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
                 b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
                 W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, BD: tl.constexpr):
+                IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, BD: tl.constexpr,
+                EDGE: tl.constexpr):
     """One token of the backward walk (``_conv_bwd_kernel``): the pre-activation's gradient
     da(t) from dy(t) and the inputs x(t-3..t) (b_x0..b_x2 carried, b_xn = x(t-3) loaded), and
     dx(t) = sum_s w[W-1-s] da(t+s) from the da of the W-1 tokens after t (b_d1..b_d3, carried).
     Returns da(t), dx(t), the sources s = 0..3 that dw's taps multiply (zero where unused) and the
-    carried da(t+1), da(t+2), zeroed where they belong to the next sequence."""
+    carried da(t+1), da(t+2), zeroed where they belong to the next sequence. Without ``EDGE`` the
+    caller has checked that t lies inside the walk's segment, at least 3 tokens past its sequence's
+    start and 4 before its end, so none of that applies: no selects, no state slots, no final
+    state's gradient."""
     pos = t - bos
-    if IS_VARLEN:
+    if EDGE and IS_VARLEN:
         # t is the last token of its sequence: the carried da belong to the next one
         b_d1 = tl.where(t + 1 < eos, b_d1, 0.0)
         b_d2 = tl.where(t + 1 < eos, b_d2, 0.0)
         b_d3 = tl.where(t + 1 < eos, b_d3, 0.0)
     # the inputs tap s reads: x(t - s) inside the sequence, else the initial state's slot W-1-s+pos
-    b_s1 = tl.where(pos >= 1, b_x1, 0.0)
-    b_s2 = tl.where(pos >= 2, b_x2, 0.0)
-    b_s3 = tl.where(pos >= 3, b_xn, 0.0)
-    if HAS_INIT:
+    b_s1, b_s2, b_s3 = b_x1, b_x2, b_xn
+    if EDGE:
+        b_s1 = tl.where(pos >= 1, b_x1, 0.0)
+        b_s2 = tl.where(pos >= 2, b_x2, 0.0)
+        b_s3 = tl.where(pos >= 3, b_xn, 0.0)
+    if EDGE and HAS_INIT:
         p_h = init + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1)
         b_s1 += tl.load(p_h + (W - 2 + pos), mask=_cols_if(o_d, D, pos < 1), other=0.0).to(tl.float32)
         if W > 2:
@@ -276,12 +282,12 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
         b_g = b_g * b_sig * (1.0 + b_a * (1.0 - b_sig))
     b_dx = b_w0 * b_g + b_w1 * b_d1 + b_w2 * b_d2 + b_w3 * b_d3
     inside = (t >= t_lo) & (t < t_hi)
-    if HAS_DFINAL:
+    if EDGE and HAS_DFINAL:
         # the last W-1 tokens of a sequence are also its final state, slot j = t - (eos - (W-1))
         j = t - (eos - (W - 1))
         p_f = dfinal + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1) + j
         b_dx += tl.load(p_f, mask=_cols_if(o_d, D, (j >= 0) & inside), other=0.0).to(tl.float32)
-    if HAS_INIT:
+    if EDGE and HAS_INIT:
         # tokens with pos < s read state slot W-1-s+pos (at most W-1 tokens per sequence)
         p_h = dinit + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1)
         tl.atomic_add(p_h + (W - 2 + pos), b_g * b_w1, mask=_cols_if(o_d, D, (pos < 1) & inside))
@@ -290,6 +296,46 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
         if W > 3:
             tl.atomic_add(p_h + (W - 4 + pos), b_g * b_w3, mask=_cols_if(o_d, D, (pos < 3) & inside))
     return b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2
+
+
+@triton.jit
+def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+               b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+               o_d, m_d, D, eps, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+               HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr,
+               BD: tl.constexpr, EDGE: tl.constexpr):
+    """Tokens t, t-1, t-2, t-3 of the walk (``_walk_token``) from their fetched rows: dx stored,
+    dw's and db's sums and the carried rows and da returned."""
+    for u in tl.static_range(4):
+        if u == 0:
+            b_xn, b_dy, i_n, bos, eos = f_a
+        elif u == 1:
+            b_xn, b_dy, i_n, bos, eos = f_b
+        elif u == 2:
+            b_xn, b_dy, i_n, bos, eos = f_c
+        else:
+            b_xn, b_dy, i_n, bos, eos = f_d
+        b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2 = _walk_token(
+            t - u, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+            b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
+            W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD, EDGE,
+        )  # fmt: skip
+        if EDGE:
+            inside = (t - u >= t_lo) & (t - u < t_hi)
+            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=_cols_if(o_d, D, inside))
+            # the W-1 tokens past the segment only hand their da to the tokens before them
+            b_gi = tl.where(inside, b_g, 0.0)
+        else:
+            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=m_d)
+            b_gi = b_g
+        b_dw0 += b_gi * b_x0
+        b_dw1 += b_gi * b_s1
+        b_dw2 += b_gi * b_s2
+        b_dw3 += b_gi * b_s3
+        b_db += b_gi
+        b_d3, b_d2, b_d1 = b_d2, b_d1, b_g
+        b_x0, b_x1, b_x2 = b_x1, b_x2, b_xn
+    return b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db
 
 
 @triton.jit
@@ -342,30 +388,23 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
         f_b = _fetch(x, dy, seq_idx, cu, t - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
         f_c = _fetch(x, dy, seq_idx, cu, t - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
         f_d = _fetch(x, dy, seq_idx, cu, t - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
-        for u in tl.static_range(4):
-            if u == 0:
-                b_xn, b_dy, i_n, bos, eos = f_a
-            elif u == 1:
-                b_xn, b_dy, i_n, bos, eos = f_b
-            elif u == 2:
-                b_xn, b_dy, i_n, bos, eos = f_c
-            else:
-                b_xn, b_dy, i_n, bos, eos = f_d
-            b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2 = _walk_token(
-                t - u, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
-                b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
-                W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
+        # most steps lie inside the segment and one sequence, away from its first and last tokens:
+        # those take the walk without the masks of the edges (selects on every element otherwise).
+        # Packed input keeps the masked walk: its steps would wait for each token's sequence bounds
+        # (two dependent loads) to choose, and measured slower for it with v and xBC.
+        _, _, _, bos, eos = f_a
+        if (not IS_VARLEN) & (t - 3 >= t_lo) & (t < t_hi) & (t - 6 >= bos) & (t + 3 < eos):
+            b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
+                t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+                o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD, False,
             )  # fmt: skip
-            inside = (t - u >= t_lo) & (t - u < t_hi)
-            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=_cols_if(o_d, D, inside))
-            b_gi = tl.where(inside, b_g, 0.0)
-            b_dw0 += b_gi * b_x0
-            b_dw1 += b_gi * b_s1
-            b_dw2 += b_gi * b_s2
-            b_dw3 += b_gi * b_s3
-            b_db += b_gi
-            b_d3, b_d2, b_d1 = b_d2, b_d1, b_g
-            b_x0, b_x1, b_x2 = b_x1, b_x2, b_xn
+        else:
+            b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
+                t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
+                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+                o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD, True,
+            )  # fmt: skip
     i_p = (i_b * NS + i_s).to(tl.int64)
     tl.store(dw + (i_p * W + (W - 1)) * D + o_d, b_dw0, mask=m_d)
     tl.store(dw + (i_p * W + (W - 2)) * D + o_d, b_dw1, mask=m_d)
