@@ -385,7 +385,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     for in shared memory (bf16 K = 128 fits 3 stages, fp32 or K = 256 not). Warps: 4, except the
     backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
     without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, whose
-    running state takes 143 registers per thread on 4 warps and 89 on 8 (SSD, Triton 3.6, sm_90a):
+    running state takes 139 registers per thread on 4 warps and 80 on 8 (SSD, Triton 3.6, sm_90a):
     measured on an H200, bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to
     0.125 ms at 8 x 2048
     and GLA's (K = V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay
@@ -407,7 +407,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     0.261 ms at 1 x 16384). That backward (a scalar gate, any K up to 128) also launches under a
     register cap of 168, timed faster where few programs walk long sequences: SSD (H = 64, V = 64)
     at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 -> 0.173 at K = 64, unchanged at 8 x 2048
-    (H200); the delta rules' and GLA's walks lose under it. It compiles to 100 - 118 registers
+    (H200); the delta rules' and GLA's walks lose under it. It compiles to 100 - 120 registers
     with or without the cap (``kernel_resources``), so the cap changes ptxas's schedule, not the
     programs per SM.
 

@@ -338,10 +338,11 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     dA, dD = shares[0], (None if D is None else shares[1])
     # one N block of 128 on 4 warps: 0.635 ms at 8 x 2048 at Mamba2-1.3B's shape on an H200 (1 - 3
     # stages alike), against 0.726 for BK 64 and 0.954 on 8 warps, measured before the kernel formed
-    # the state's share of dv last (0.558 ms since). It compiles to 212 (N = 64) - 225 (N = 128)
+    # the state's share of dv last (0.558 ms since). It compiled to 212 (N = 64) - 225 (N = 128)
     # registers, two programs per SM; capped at 168 (three) it took 0.492 to 0.408 ms at N = 64 in 8
     # groups and 0.554 to 0.524 at N = 128 (8 x 2048 and 1 x 16384 alike); at 128 it spills and took
-    # 0.68 - 0.89
+    # 0.68 - 0.89. With the approximate exp it compiles to 165 (N = 64: the cap no longer binds) and
+    # 191 (N = 128) registers without the cap
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168)
     rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                              dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
