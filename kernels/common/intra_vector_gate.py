@@ -335,7 +335,8 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     # add synchronisation; one stage, since each program loads every K block once. H200, 8 x 2048:
     # 0.245 ms against 0.343 for BK 64 at K = 128; at gla-1.3b's K = 64, 0.141 against 0.134. At
     # K = 64 a cap of 128 registers (more programs per SM) took 0.143 to 0.130 ms at 8 x 2048 and
-    # 1 x 16384 (K = 128 not timed with it)
+    # 1 x 16384 (K = 128 not timed with it); with the approximate exp the kernel compiles to 128
+    # registers without the cap as well
     cap = {"maxnreg": 128} if K <= 64 else {}
     cfg = tuned("vector_gate_scores", BK=block_size(K, 32), num_warps=2, num_stages=1, **cap)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
