@@ -33,24 +33,14 @@ def inputs() -> torch.Tensor:
     return torch.cat([x, torch.tensor([float("-inf"), float("inf")])]).to(DEVICE)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's sigmoid at -inf
-def test_interpreter_takes_tl_exp_and_sigmoid():
-    if not interpreter_active():
-        pytest.skip("the interpreter's branch")
-    assert not approx.APPROX
-    x = inputs()
-    e, s = both(x)
+def check_interpreter(x, e, s):
+    """The interpreter's branch: ``tl.exp`` and ``tl.sigmoid``, torch's results."""
     assert torch.allclose(e, torch.exp(x), rtol=1e-6, atol=0)
     assert torch.allclose(s, torch.sigmoid(x), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.gpu
-def test_gpu_approximations_match_torch():
-    if interpreter_active():
-        pytest.skip("the GPU's branch")
-    assert approx.APPROX
-    x = inputs()
-    e, s = both(x)
+def check_gpu(x, e, s):
+    """The GPU's branch: ``ex2.approx.ftz`` and ``div.approx``."""
     ref_e, ref_s = torch.exp(x.double()), torch.sigmoid(x.double())
     normal = (ref_e >= 2.0**-126) & torch.isfinite(x)
     # exp: where the result is a normal number, the error of rounding x log2(e) to fp32 (up to 2.6e-6
@@ -61,3 +51,14 @@ def test_gpu_approximations_match_torch():
     # sigmoid: within a few ulp of 1, exactly 0 and 1 at the infinities, never NaN
     assert (s.double() - ref_s).abs().max() < 1e-6
     assert s[-2] == 0 and s[-1] == 1 and torch.isfinite(s).all()
+
+
+# the CPU suite runs the interpreter's branch, the GPU suite (-m gpu) the compiled one; each run
+# checks the branch its build takes
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's sigmoid at -inf
+@pytest.mark.parametrize("suite", ["any", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_fast_exp_and_sigmoid_match_their_branch(suite):
+    assert approx.APPROX == (not interpreter_active())
+    x = inputs()
+    e, s = both(x)
+    (check_gpu if approx.APPROX else check_interpreter)(x, e, s)
