@@ -26,11 +26,13 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     compiles to 128 registers with or without a cap of 128 (``kernel_resources``): capped, v and
     xBC timed faster (xBC 0.436 -> 0.396, together with dropping the prefetch below), q and k with
     the norm slower (0.235 against 0.224), so only the former keep it. Loading the next step's rows
-    ahead of the current one, which the walk did before, lost in every case but v packed (2 %)."""
+    ahead of the current one, which the walk did before, lost in every case but v packed (2 %).
+    With the walk's steps split into plain and edge steps, packed q and k with the norm spill under
+    a cap of 120 (48 bytes, loads and stores of the stack in the loop) and none under 128."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:
-        cap = {"maxnreg": 120} if packed else {} if l2 else {"maxnreg": 128}
+        cap = {"maxnreg": 128 if l2 else 120} if packed else {} if l2 else {"maxnreg": 128}
         cfg = tuned("conv_bwd", SEG=256, BD=min(128, next_power_of_2(d)), num_warps=1, **cap)
     return {**cfg, "BD": max(cfg["BD"], l2)}
 
@@ -79,12 +81,9 @@ def _token_span(seq_idx, cu, t, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN: tl.constexpr):
-    """What the walk loads for token t: x(t - 3), dy(t) and t's sequence (id, first token, end)."""
-    i_n, bos, eos = _token_span(seq_idx, cu, t, T, IS_VARLEN)
-    if not IS_VARLEN:
-        i_n += i_b
-    return _row(x, t - 3, o_d, D, T, s_xt), _row(dy, t, o_d, D, T, D), i_n, bos, eos
+def _fetch(x, dy, t, o_d, D, T, s_xt):
+    """The rows the walk loads for token t: x(t - 3) and dy(t)."""
+    return _row(x, t - 3, o_d, D, T, s_xt), _row(dy, t, o_d, D, T, D)
 
 
 @triton.jit
@@ -152,20 +151,26 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
 @triton.jit
 def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
-               o_d, m_d, D, eps, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
-               HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr,
-               BD: tl.constexpr, EDGE: tl.constexpr):
+               seq_idx, cu, i_b, T, o_d, m_d, D, eps, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+               L2: tl.constexpr, BD: tl.constexpr, EDGE: tl.constexpr):
     """Tokens t, t-1, t-2, t-3 of the walk (``_walk_token``) from their fetched rows: dx stored,
-    dw's and db's sums and the carried rows and da returned."""
+    dw's and db's sums and the carried rows and da returned. Only a step at an edge reads its
+    tokens' sequences (id, first token, end): in packed input two dependent loads per token."""
     for u in tl.static_range(4):
         if u == 0:
-            b_xn, b_dy, i_n, bos, eos = f_a
+            b_xn, b_dy = f_a
         elif u == 1:
-            b_xn, b_dy, i_n, bos, eos = f_b
+            b_xn, b_dy = f_b
         elif u == 2:
-            b_xn, b_dy, i_n, bos, eos = f_c
+            b_xn, b_dy = f_c
         else:
-            b_xn, b_dy, i_n, bos, eos = f_d
+            b_xn, b_dy = f_d
+        i_n, bos, eos = i_b, t * 0, t * 0 + T
+        if EDGE:
+            i_n, bos, eos = _token_span(seq_idx, cu, t - u, T, IS_VARLEN)
+            if not IS_VARLEN:
+                i_n += i_b
         b_g, b_dx, b_s1, b_s2, b_s3, b_d1, b_d2 = _walk_token(
             t - u, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
             b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, o_d, m_d, D, eps,
@@ -235,26 +240,30 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
     # next token's loads from being issued before them
     for k in range(0, t0 - t_lo + 1, 4):
         t = t0 - k
-        f_a = _fetch(x, dy, seq_idx, cu, t, i_b, o_d, D, T, s_xt, IS_VARLEN)
-        f_b = _fetch(x, dy, seq_idx, cu, t - 1, i_b, o_d, D, T, s_xt, IS_VARLEN)
-        f_c = _fetch(x, dy, seq_idx, cu, t - 2, i_b, o_d, D, T, s_xt, IS_VARLEN)
-        f_d = _fetch(x, dy, seq_idx, cu, t - 3, i_b, o_d, D, T, s_xt, IS_VARLEN)
+        f_a = _fetch(x, dy, t, o_d, D, T, s_xt)
+        f_b = _fetch(x, dy, t - 1, o_d, D, T, s_xt)
+        f_c = _fetch(x, dy, t - 2, o_d, D, T, s_xt)
+        f_d = _fetch(x, dy, t - 3, o_d, D, T, s_xt)
         # most steps lie inside the segment and one sequence, away from its first and last tokens:
         # those take the walk without the masks of the edges (selects on every element otherwise).
-        # Packed input keeps the masked walk: its steps would wait for each token's sequence bounds
-        # (two dependent loads) to choose, and measured slower for it with v and xBC.
-        _, _, _, bos, eos = f_a
-        if (not IS_VARLEN) & (t - 3 >= t_lo) & (t < t_hi) & (t - 6 >= bos) & (t + 3 < eos):
+        # Tokens t-6 .. t+3 lie in one sequence where the ids at both ends agree (ids never
+        # decrease along the row): two independent loads, where a token's bounds are two dependent ones
+        plain = (t - 3 >= t_lo) & (t < t_hi) & (t - 6 >= 0) & (t + 3 < T)
+        if IS_VARLEN:
+            plain = plain & (tl.load(seq_idx + tl.maximum(t - 6, 0)) == tl.load(seq_idx + tl.minimum(t + 3, T - 1)))
+        if plain:
             b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
                 t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
                 b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
-                o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD, False,
+                seq_idx, cu, i_b, T, o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
+                False,
             )  # fmt: skip
         else:
             b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
                 t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
                 b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
-                o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD, True,
+                seq_idx, cu, i_b, T, o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
+                True,
             )  # fmt: skip
     i_p = (i_b * NS + i_s).to(tl.int64)
     tl.store(dw + (i_p * W + (W - 1)) * D + o_d, b_dw0, mask=m_d)
