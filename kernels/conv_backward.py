@@ -36,6 +36,7 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
         cfg = tuned("conv_bwd", SEG=256, BD=min(128, next_power_of_2(d)), num_warps=1, **cap)
     return {**cfg, "BD": max(cfg["BD"], l2)}
 
+
 @triton.jit
 def silu_and_sigmoid(b_a, SILU: tl.constexpr):
     """(act(a), sigmoid(a)): SiLU and the sigmoid its derivative reuses, or (a, a) without it. The
@@ -46,6 +47,7 @@ def silu_and_sigmoid(b_a, SILU: tl.constexpr):
         b_sig = fast_sigmoid(b_a)
         b_u = b_a * b_sig
     return b_u, b_sig
+
 
 @triton.jit
 def _cols_if(o_d, D, cond):
@@ -275,9 +277,11 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
     if HAS_BIAS:
         tl.store(db + i_p * D + o_d, b_db, mask=m_d)
 
+
 def varlen_meta(packing):
     """Per-token sequence id (int32 [T]) and cu_seqlens (int32), or (None, None) when not packed."""
     return (None, None) if packing is None else (packing.seq_ids, packing.cu_seqlens)
+
 
 def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_eps=1e-6):
     """The Triton backward, one pass (``_conv_bwd_kernel``): ``(dx, dweight, dbias, dinit)`` from the
