@@ -20,15 +20,16 @@ def _launch_bwd(d: int, l2: int, packed: bool) -> dict:
     """Launch parameters of ``conv_bwd`` (``index.tuned``): walks of SEG tokens by BD channels, one
     warp each. On an H200 at B = 8, T = 4096 and at 32,768 tokens packed (bf16, the presets' convs,
     ``bench_fused --sweep``): walks of 256 tokens of 128 channels were the fastest length for q and
-    k and for xBC (D = 4352), and within 4 - 6 % of 352 or 512 tokens for v. In packed input
-    (each token's document is two dependent loads) the walk compiles to 168 registers and a cap of
-    120 lets 17 walks share an SM instead of 12: 0.280 -> 0.237 ms for q and k. Unpacked, it
+    k and for xBC (D = 4352), and a little slower than walks of 352 or 512 tokens for v. In packed
+    input (each token's document is two dependent loads) the walk compiles to 168 registers and a
+    cap of 120 lets 17 walks share an SM instead of 12, which timed faster for q and k. Unpacked, it
     compiles to 128 registers with or without a cap of 128 (``kernel_resources``): capped, v and
-    xBC timed faster (xBC 0.436 -> 0.396, together with dropping the prefetch below), q and k with
-    the norm slower (0.235 against 0.224), so only the former keep it. Loading the next step's rows
-    ahead of the current one, which the walk did before, lost in every case but v packed (2 %).
-    With the walk's steps split into plain and edge steps, packed q and k with the norm spill under
-    a cap of 120 (48 bytes, loads and stores of the stack in the loop) and none under 128."""
+    xBC timed faster (xBC together with dropping the prefetch below), q and k with the norm slower,
+    so only the former keep it. Loading the next step's rows ahead of the current one, which the
+    walk did before, lost in every case but v packed. With the walk's steps split into plain and
+    edge steps, packed q and k with the norm spill under a cap of 120 (48 bytes, loads and stores
+    of the stack in the loop) and none under 128. The times are in docs/benchmarks.md (the short
+    conv's kernels, and launch choices)."""
     if interpreter_active():
         cfg = tuned("conv_bwd", SEG=16, BD=min(64, next_power_of_2(d)))
     else:

@@ -332,11 +332,11 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     BT = plan.chunk_size
     A = torch.empty(B, T, H, BT, device=q.device, dtype=q.dtype)
     # Few warps and narrow K blocks: the products are small ([16, 32] tiles), so more warps only
-    # add synchronisation; one stage, since each program loads every K block once. H200, 8 x 2048:
-    # 0.245 ms against 0.343 for BK 64 at K = 128; at gla-1.3b's K = 64, 0.141 against 0.134. At
-    # K = 64 a cap of 128 registers (more programs per SM) took 0.143 to 0.130 ms at 8 x 2048 and
-    # 1 x 16384 (K = 128 not timed with it); with the approximate exp the kernel compiles to 128
-    # registers without the cap as well
+    # add synchronisation; one stage, since each program loads every K block once. On an H200 BK 32
+    # timed faster than BK 64 at K = 128 and a little slower at gla-1.3b's K = 64. At K = 64 a cap of
+    # 128 registers (more programs per SM) timed faster at 8 x 2048 and 1 x 16384 (K = 128 not timed
+    # with it; docs/benchmarks.md, launch choices); with the approximate exp the kernel compiles to
+    # 128 registers without the cap as well
     cap = {"maxnreg": 128} if K <= 64 else {}
     cfg = tuned("vector_gate_scores", BK=block_size(K, 32), num_warps=2, num_stages=1, **cap)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
@@ -365,8 +365,8 @@ def vector_gate_dv_dA(A, v, do, plan: ChunkPlan, *, scale: float) -> tuple[torch
     B, T, H, V = do.shape
     dv = torch.empty_like(do)
     dA = torch.empty(B, T, H, plan.chunk_size, device=do.device, dtype=torch.float32)
-    # one V block of 128 on 4 warps: 0.089 ms against 0.112 for the two products as kernels of their
-    # own at H = 16, K = 64, V = 128, 8 x 2048 on an H200 (0.092 for BV 64, 0.109 on 8 warps)
+    # one V block of 128 on 4 warps: on an H200 faster than the two products as kernels of their own,
+    # than BV 64 and than 8 warps (docs/benchmarks.md, launch choices)
     cfg = tuned("vector_gate_dv_dA", BV=block_size(V, 128), num_warps=4)
     vector_gate_dv_dA_kernel[(plan.num_chunks, H)](A, v, do, dv, dA, plan.cu_seqlens, plan.chunk_indices, scale,
                                                    H=H, V=V, BT=plan.chunk_size, **cfg)
@@ -383,9 +383,9 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    # All of K (up to 128) in one block, on 2 warps for 64 keys and 4 for 128: H200, 8 x 2048, 0.271 ms
-    # against 0.355 for BK 32 on 4 warps at gla-1.3b's K = 64, 0.521 against 0.626 at K = 128; 8
-    # warps keep more [16, BK] fp32 tiles live than the registers hold
+    # All of K (up to 128) in one block, on 2 warps for 64 keys and 4 for 128: on an H200 faster than
+    # BK 32 on 4 warps at gla-1.3b's K = 64 and at K = 128 (docs/benchmarks.md); 8 warps keep more
+    # [16, BK] fp32 tiles live than the registers hold
     BK = block_size(K, 128)
     cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](

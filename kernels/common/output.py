@@ -210,8 +210,8 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
                    dv: torch.Tensor | None = None):
     """Returns ``(dq, dk, dw or None, dg fp32 in cumulative-gate space or None)``, dq and dk in q's
     dtype. The delta rules' WY backward adds its part to this dk: handing it on in bf16 rather than
-    fp32 rounds it once more (as fla's delta rules do) and measured 0.03 - 0.05 ms faster for the two
-    stages at 16 heads of 128 and 16K tokens on an H200 (a quarter of their traffic). With q/k of
+    fp32 rounds it once more (as fla's delta rules do) and timed faster for the two stages on an
+    H200, a quarter of their traffic (docs/benchmarks.md, launch choices). With q/k of
     ``HK < H`` heads (groups) dq and dk are per value head, ``[B, T, H, K]``: the caller sums each
     group."""
     B, T, HK, K = q.shape
@@ -220,9 +220,8 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     if K <= 128 and g is None:
         # without a gate (DeltaNet): one program per chunk over all of K, so dS is formed once, not once per K
         # block, and v, do and dv are read once; 8 warps hold the wider [BT, K] tiles. With a gate
-        # the wider program measured slower than two K blocks on 4 warps (H100, BT = 64, K = V = 128:
-        # delta 0.345 against 0.387 ms, gated delta 0.443 against 0.399, simple GLA 0.428 against
-        # 0.394, at 16 heads and 8 x 2048 tokens)
+        # the wider program timed slower than two K blocks on 4 warps (H100, docs/benchmarks.md,
+        # launch choices)
         cfg = tuned("output_bwd_dqk", BK=block_size(K, 128), BV=BV, num_warps=8,
                     num_stages=2 if q.element_size() == 4 else 3)
     else:

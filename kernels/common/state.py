@@ -234,9 +234,8 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
             # k dh must not be added to dv straight from the product: Triton folds x + dot(a, b)
             # into a product that accumulates onto x, so the chain's product would wait for dv's
             # load. The gate's row scale keeps the two apart; without a gate a row mask does (a
-            # no-op: k's padded rows are zero). State backward on an H200, 8 x 2048 / 1 x 16384:
-            # Gated DeltaNet 0.285 / 0.737 -> 0.180 / 0.336 ms, DeltaNet 0.253 / 0.507 -> 0.150 /
-            # 0.282. GLA's walk, bound by its per-key decay of k's tile, measured 3 - 5 % slower
+            # no-op: k's padded rows are zero). Both timed faster in the state backward on an H200
+            # (docs/benchmarks.md); GLA's walk, bound by its per-key decay of k's tile, timed slower
             # with the mask.
             if USE_G:
                 b_kdh *= b_dec[:, None]
@@ -386,12 +385,10 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     backward at K * BV >= 128 * 64, whose wider tiles need the registers of 8, and the forward
     without ``w`` (``walk`` "scalar" or "vector" gate rather than "delta") at K >= 128, whose
     running state takes 139 registers per thread on 4 warps and 80 on 8 (SSD, Triton 3.6, sm_90a):
-    measured on an H200, bf16, 8 warps took SSD's forward (K = 128, V = 64, H = 64) from 0.151 to
-    0.125 ms at 8 x 2048
-    and GLA's (K = V = 128, H = 16, two stages) from 0.218 to 0.122 ms; with ``w`` 4 warps stay
-    faster (0.122 against 0.138 ms, Gated DeltaNet), and at GLA-1.3B's K = 64 too (the op's forward
-    0.356 against 0.359 ms at 8 x 2048). The vector gate's forward on 8 warps runs 2 stages (0.122
-    against 0.198 ms with 3).
+    on an H200, bf16, 8 warps timed faster for SSD's forward (K = 128, V = 64, H = 64) and GLA's
+    (K = V = 128, H = 16, two stages); with ``w`` 4 warps stay faster (Gated DeltaNet), and at
+    GLA-1.3B's K = 64 too. The vector gate's forward on 8 warps runs 2 stages, which timed faster
+    than 3 (docs/benchmarks.md, launch alternatives and launch choices).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -400,16 +397,14 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
 
     The backward with a scalar gate at K <= 64 walks on 8 warps with BV <= 32 while the grid is
     small (fewer than two programs of BV = 64 per SM): its steps are short, and the sequential walk
-    is bound by each step's latency, which more warps over narrower tiles hide. H200, SSD at H = 64,
-    K = V = 64, bf16: 0.183 against 0.217 ms at 1 x 16384 (BV 32 on 4 warps before) and 0.134
-    against 0.144 at 2 x 8192 (BV 64 on 4), where at 8 x 2048 (512 programs) BV 64 on 4 warps stays
-    ahead (0.091 against 0.114); at K = 128 the 8-warp launch measured no better (0.266 against
-    0.261 ms at 1 x 16384). That backward (a scalar gate, any K up to 128) also launches under a
-    register cap of 168, timed faster where few programs walk long sequences: SSD (H = 64, V = 64)
-    at 1 x 16384 0.266 -> 0.227 ms at K = 128, 0.186 -> 0.173 at K = 64, unchanged at 8 x 2048
-    (H200); the delta rules' and GLA's walks lose under it. It compiles to 100 - 120 registers
-    with or without the cap (``kernel_resources``), so the cap changes ptxas's schedule, not the
-    programs per SM.
+    is bound by each step's latency, which more warps over narrower tiles hide. On an H200 (SSD at
+    H = 64, K = V = 64, bf16) it timed faster at 1 x 16384 and 2 x 8192, where at 8 x 2048 (512
+    programs) BV 64 on 4 warps stays ahead; at K = 128 the 8-warp launch measured no better. That
+    backward (a scalar gate, any K up to 128) also launches under a register cap of 168, timed
+    faster where few programs walk long sequences (SSD at 1 x 16384, K = 128 and 64; unchanged at
+    8 x 2048; docs/benchmarks.md, launch choices); the delta rules' and GLA's walks lose under it.
+    It compiles to 100 - 120 registers with or without the cap (``kernel_resources``), so the cap
+    changes ptxas's schedule, not the programs per SM.
 
     Returns ``(BK, split, launch)``, the launch a dict of BV, num_warps, num_stages (and maxnreg)."""
     split = K > 128
@@ -456,15 +451,14 @@ def _checked(cfg: dict, elem: int) -> dict:
 # time per token (it is bandwidth-bound), so the walk wins on short sequences (many sequences fill
 # the GPU) and loses on long ones; timed on GLA at H = 16, K = V = 128, bf16, the two cross between
 # 80 and 95 chunks per sequence. The forward with a scalar gate walks at any length: its 8-warp walk
-# stayed ahead up to 256 chunks per sequence on an H200 (SSD, H = 64, K = 128, V = 64: 0.192
-# against 0.444 ms at 1 x 16384; simple GLA, H = 16, K = V = 128: 0.163 against 0.238 ms), where
-# the vector gate's two-level forward wins from 128 chunks on (GLA, H = 16, K = V = 128: 0.256
-# against 0.272 ms at 2 x 8192, 0.275 against 0.539 at 1 x 16384).
+# stayed ahead up to 256 chunks per sequence on an H200 (SSD, H = 64, K = 128, V = 64; simple GLA,
+# H = 16, K = V = 128), where the vector gate's two-level forward wins from 128 chunks on (GLA,
+# H = 16, K = V = 128).
 # The backward with a scalar gate (or none) walks at long sequences too unless at most
 # SCALAR_BWD_TWO_LEVEL_MAX_HEADS (sequence, head) pairs share the GPU: on an H200 at 128 and 256
-# chunks per sequence, walk against two-level, SSD (H = 64, K = 128, V = 64) 0.147 / 0.486 ms at
-# 2 x 8192 and 0.260 / 0.445 at 1 x 16384, simple GLA (H = 16, K = V = 128) 0.298 / 0.321 at
-# 2 x 8192 but 0.441 / 0.340 at 1 x 16384 (16 pairs).
+# chunks per sequence the walk stayed ahead for SSD (H = 64, K = 128, V = 64) at both lengths and
+# for simple GLA (H = 16, K = V = 128) at 2 x 8192, but lost to the two-level pass at 1 x 16384
+# (16 pairs). The times are in docs/benchmarks.md (launch alternatives, launch choices).
 TWO_LEVEL_MIN_CHUNKS = 96
 SCALAR_FWD_TWO_LEVEL_MIN_CHUNKS: int | None = None  # the scalar-gate forward: never
 SCALAR_BWD_TWO_LEVEL_MAX_HEADS = 16
@@ -497,26 +491,24 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
 def walk_forms_output(gated: bool) -> bool:
     """Whether the delta rules' forward has the state walk form the output (``state_fwd(..., q=q)``)
     rather than launching ``output.output_fwd`` after it; ``TUNING["state_fwd"]["output"]``
-    overrides. By default only without a gate. H200, bf16, 16 heads of K = V = 128, ms at 8 x 2048 /
-    4 x 4096 / 1 x 16384: DeltaNet's walk and output launch 0.225 / 0.224 / 0.337, the walk forming
-    the output 0.141 / 0.138 / 0.327 (254 registers on 4 warps, no spill; Triton 3.6). Gated
-    DeltaNet's 0.261 / 0.259 / 0.405 against 0.345 / 0.346 / 0.777: its walk with the output and
-    the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on 8, and
-    no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it still
-    lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly double each step's
-    instructions."""
+    overrides. By default only without a gate. On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048
+    to 1 x 16384) DeltaNet's walk forming the output timed faster than its walk and the output
+    launch (254 registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's slower: its walk
+    with the output and the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps;
+    8 bytes on 8, and no faster), and written not to spill (scores cast to bf16 at once, value
+    blocks of 32) it still lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly
+    double each step's instructions."""
     return bool(tuned("state_fwd", output=not gated)["output"])
 
 
 def walk_forms_dv(gated: bool) -> bool:
     """Whether the delta rules' backward hands the output's intra-chunk dv to the state walk to form
     (``state_bwd(..., intra_dv=True)``) rather than launching ``output.output_bwd_dv`` for it first;
-    ``TUNING["state_bwd"]["intra_dv"]`` overrides. By default only without a gate. H200, bf16, 16
-    heads of K = V = 128, the walk with the dv it needs, ms at 8 x 2048 / 4 x 4096 / 1 x 16384:
-    DeltaNet 0.220 / 0.216 / 0.352 as two launches, 0.185 / 0.180 / 0.333 as one. With a gate the
-    one walk loses, 0.409 / 0.404 / 0.930 against 0.263 / 0.260 / 0.421: its scores' gate tile takes
-    the walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton
-    3.6, ``kernel_resources``), and on 4 warps over value blocks of 32 it measured 0.317 at 8 x 2048."""
+    ``TUNING["state_bwd"]["intra_dv"]`` overrides. By default only without a gate. On an H200 (bf16,
+    16 heads of K = V = 128, the walk with the dv it needs, 8 x 2048 to 1 x 16384) DeltaNet's one
+    launch timed faster than two. With a gate the one walk loses: its scores' gate tile takes the
+    walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton 3.6,
+    ``kernel_resources``), and on 4 warps over value blocks of 32 it still lost (docs/benchmarks.md)."""
     return bool(tuned("state_bwd", intra_dv=not gated)["intra_dv"])
 
 

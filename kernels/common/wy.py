@@ -171,8 +171,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # Ordered so that few [BT, BT] fp32 tiles are live at once (each is 32 registers per thread
     # at 4 warps): dT first, then Ainv, then dA, all consumed before the last loop. With the gate,
     # K K^T is formed only after dT is consumed, by a loop of its own over the k tiles the first loop
-    # read moments before: 0.378 against 0.415 ms at 16 heads of 128 and 8 x 2048 tokens on an H200
-    # (2 % slower without the gate, which keeps it in the first loop).
+    # read moments before, which timed faster at 16 heads of 128 on an H200; without the gate the
+    # loop of its own timed slower, so it keeps K K^T in the first loop (docs/benchmarks.md).
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     if not USE_G:
         b_KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -200,8 +200,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
     # Both products take fp32 operands (the inverse and dT). As plain tf32 (the default for fp32
     # dots) each operand keeps 10 of its 23 mantissa bits; three tf32
-    # products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy on the tensor cores for 1-3 % of the
-    # op's time (docs/benchmarks.md).
+    # products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy on the tensor cores for a small share of
+    # the op's time (docs/benchmarks.md).
     b_dbeta = tl.sum(b_dT * b_Ai, 0)
     b_dA = _dot3(tl.trans(b_Ai), b_dT * b_beta[None, :])
     b_dA = tl.where(m_A, -_dot3(b_dA, tl.trans(b_Ai)), 0.)

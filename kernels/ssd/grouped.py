@@ -231,8 +231,8 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     b_p = b_A * tl.dot(b_do, tl.trans(b_x)) * b_dt[None, :]  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
     b_dG = b_ydo * fast_exp(b_g) + tl.sum(b_p, 1) - tl.sum(b_p, 0)
     # the part of dv from the state after the chunk, formed after the scores' terms so that its
-    # accumulator is not live next to theirs: the kernel then does not spill, and took 0.558 against
-    # 0.637 ms at Mamba2-1.3B's shape, 0.493 against 0.579 at N = 64 in 8 groups (H200, 8 x 2048)
+    # accumulator is not live next to theirs: the kernel then does not spill, and timed faster at
+    # Mamba2-1.3B's shape and at N = 64 in 8 groups on an H200 (docs/benchmarks.md)
     b_dv = tl.zeros([BT, BP], dtype=tl.float32)
     for i_k in range(tl.cdiv(N, BK)):
         p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
@@ -277,13 +277,13 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
     H, P = x.shape[2:]
     o = torch.empty_like(x)
     # one program covers a whole head of up to 128 values, so the CB tile and the gate are read once,
-    # and at up to 64 values all of N up to 128 in one block. H200 at 8 x 2048 (Triton 3.6): 0.242 ms
-    # at N = 64 in 8 groups (BK 32: 0.272); 0.256 at Mamba2-1.3B's N = 128 against 0.300 for BK 64.
-    # Capped at 128 registers it took 0.243 to 0.214 ms at N = 64 in 8 groups and 0.256 to 0.232 at
-    # N = 128 (8 x 2048 and 1 x 16384 alike; a cap of 168 gained less, or lost). The compiler's
-    # report then gave the launch 128 registers with or without the cap, so the gain was the schedule
-    # ptxas makes under the directive; with the approximate exp the launch compiles to more registers
-    # without the cap (145 at N = 128, 168 at N = 64) and keeps 8 bytes of stack under it
+    # and at up to 64 values all of N up to 128 in one block: on an H200 (Triton 3.6) faster than BK 32
+    # at N = 64 in 8 groups and than BK 64 at Mamba2-1.3B's N = 128. A cap of 128 registers timed
+    # faster at both (8 x 2048 and 1 x 16384 alike; a cap of 168 gained less, or lost;
+    # docs/benchmarks.md, launch choices). The compiler's report then gave the launch 128 registers
+    # with or without the cap, so the gain was the schedule ptxas makes under the directive; with
+    # the approximate exp the launch compiles to more registers without the cap (145 at N = 128, 168
+    # at N = 64) and keeps 8 bytes of stack under it
     BV = block_size(P, 128)
     cap = {"maxnreg": 128} if BV <= 64 else {}
     cfg = tuned("ssd_output_fwd", BK=block_size(N, 128 if BV <= 64 else 64), BV=BV,
@@ -306,9 +306,9 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # M once per chunk and group by a kernel of its own (not once per N block inside the head loop),
     # so this stage keeps two [BT, BK] accumulators and runs on 4 warps with 3 stages staging the next
     # head's tiles; M's kernel walks the heads on 2 warps (each head's product is one [BT, BT] tile).
-    # H200, 8 x 2048, both kernels: 0.38 ms against 0.58 with M in the head loop (8 warps, 2 stages)
-    # at Mamba2-1.3B's N = 128, 0.29 against 0.35 at N = 64 in 8 groups (0.40 and 0.35 with M's
-    # kernel on 4 warps)
+    # On an H200 the two kernels timed faster than M in the head loop (8 warps, 2 stages) at
+    # Mamba2-1.3B's N = 128 and at N = 64 in 8 groups, and M's kernel faster on 2 warps than on 4
+    # (docs/benchmarks.md)
     M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
     scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
                                              BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
@@ -336,13 +336,13 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     # the chunks' shares of dA and dD side by side, so one reduction sums both
     shares = dt.new_empty(1 if D is None else 2, NT, H)
     dA, dD = shares[0], (None if D is None else shares[1])
-    # one N block of 128 on 4 warps: 0.635 ms at 8 x 2048 at Mamba2-1.3B's shape on an H200 (1 - 3
-    # stages alike), against 0.726 for BK 64 and 0.954 on 8 warps, measured before the kernel formed
-    # the state's share of dv last (0.558 ms since). It compiled to 212 (N = 64) - 225 (N = 128)
-    # registers, two programs per SM; capped at 168 (three) it took 0.492 to 0.408 ms at N = 64 in 8
-    # groups and 0.554 to 0.524 at N = 128 (8 x 2048 and 1 x 16384 alike); at 128 it spills and took
-    # 0.68 - 0.89. With the approximate exp it compiles to 165 (N = 64: the cap no longer binds) and
-    # 191 (N = 128) registers without the cap
+    # one N block of 128 on 4 warps: on an H200 at Mamba2-1.3B's shape faster than BK 64 and than
+    # 8 warps (1 - 3 stages alike), measured before the kernel formed the state's share of dv last.
+    # It compiled to 212 (N = 64) - 225 (N = 128) registers, two programs per SM; capped at 168
+    # (three) it timed faster at N = 64 in 8 groups and at N = 128 (8 x 2048 and 1 x 16384 alike);
+    # at 128 it spills and timed slower (docs/benchmarks.md, launch choices). With the approximate
+    # exp it compiles to 165 (N = 64: the cap no longer binds, and lifting it times the same) and 191
+    # (N = 128, where the cap still pays) registers without the cap
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168)
     rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                              dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
