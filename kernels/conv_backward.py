@@ -116,12 +116,15 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
         b_s2 = tl.where(pos >= 2, b_x2, 0.0)
         b_s3 = tl.where(pos >= 3, b_xn, 0.0)
     if EDGE and HAS_INIT:
+        # the walk's last tokens before the first segment (t < 0, so pos < 0) belong to no sequence:
+        # their slots would lie before the state's row, outside the tensor for the first channel
         p_h = init + i_n.to(tl.int64) * D * (W - 1) + o_d * (W - 1)
-        b_s1 += tl.load(p_h + (W - 2 + pos), mask=_cols_if(o_d, D, pos < 1), other=0.0).to(tl.float32)
+        real = pos >= 0
+        b_s1 += tl.load(p_h + (W - 2 + pos), mask=_cols_if(o_d, D, real & (pos < 1)), other=0.0).to(tl.float32)
         if W > 2:
-            b_s2 += tl.load(p_h + (W - 3 + pos), mask=_cols_if(o_d, D, pos < 2), other=0.0).to(tl.float32)
+            b_s2 += tl.load(p_h + (W - 3 + pos), mask=_cols_if(o_d, D, real & (pos < 2)), other=0.0).to(tl.float32)
         if W > 3:
-            b_s3 += tl.load(p_h + (W - 4 + pos), mask=_cols_if(o_d, D, pos < 3), other=0.0).to(tl.float32)
+            b_s3 += tl.load(p_h + (W - 4 + pos), mask=_cols_if(o_d, D, real & (pos < 3)), other=0.0).to(tl.float32)
     b_a = b_w0 * b_x0 + b_w1 * b_s1 + b_w2 * b_s2 + b_w3 * b_s3
     if HAS_BIAS:
         b_a += b_bias
