@@ -11,7 +11,7 @@ import torch
 from ttr.kernels.common.index import TUNING
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, reference_causal_conv1d
 
-from .conftest import DEVICE, rel_rms
+from .conftest import DEVICE, fenced, rel_rms
 
 TOL = 1e-4
 
@@ -155,14 +155,6 @@ def test_packed_equals_separate(backend):
         assert torch.equal(final[i : i + 1], f_i)
 
 
-def _fenced(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
-    """A leaf copy of t that lies inside a buffer of NaN: a kernel that reads past its ends, even
-    where the values it reads are discarded, turns some result non-finite."""
-    buf = torch.full((t.numel() + 2 * pad,), float("nan"), device=t.device, dtype=t.dtype)
-    buf[pad : pad + t.numel()] = t.reshape(-1)
-    return buf[pad : pad + t.numel()].view(t.shape).requires_grad_()
-
-
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("w", [2, 3, 4])
 def test_conv_reads_nothing_outside_its_inputs(backend, w, packed):
@@ -172,9 +164,8 @@ def test_conv_reads_nothing_outside_its_inputs(backend, w, packed):
     b, t, lens = (1, 70, [5, 1, 40, 24]) if packed else (2, 70, None)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32) if lens else None
     x, weight, bias, h0 = make(b, t, 24, w, n=len(lens) if lens else None)
-    fenced = [_fenced(a) for a in (x, weight, bias, h0)]
-    y, final = causal_conv1d(*fenced[:3], initial_state=fenced[3], output_final_state=True, activation="silu",
-                             cu_seqlens=cu)
+    ins = [fenced(a) for a in (x, weight, bias, h0)]
+    y, final = causal_conv1d(*ins[:3], initial_state=ins[3], output_final_state=True, activation="silu", cu_seqlens=cu)
     gen = torch.Generator().manual_seed(1)
     dy, dfinal = (torch.randn(a.shape, generator=gen).to(a) for a in (y, final))
     ((y * dy).sum() + (final * dfinal).sum()).backward()
@@ -183,7 +174,7 @@ def test_conv_reads_nothing_outside_its_inputs(backend, w, packed):
                                            activation="silu", cu_seqlens=cu)
     ((y64 * dy.double()).sum() + (final64 * dfinal.double()).sum()).backward()
     assert rel_rms(y, y64) < TOL and rel_rms(final, final64) < TOL
-    for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], fenced, ref):
+    for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], ins, ref):
         assert rel_rms(a.grad, r.grad) < TOL, name
 
 
