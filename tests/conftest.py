@@ -19,7 +19,15 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# interpreter_bounds.py lies beside this file (on sys.path, as pytest imports this file from here)
+import interpreter_bounds  # noqa: E402
+
 import ttr  # noqa: E402  (after TRITON_INTERPRET is decided)
+from ttr.kernels.utils import interpreter_active  # noqa: E402
+
+# Under the interpreter every kernel's loads and stores are checked against its tensor arguments.
+if interpreter_active():
+    interpreter_bounds.install()
 
 # The repository root is the `ttr` package. pytest's package setup imports a rootdir
 # `__init__.py` under the checkout directory's name ("main", "repo", ...), which would load a
