@@ -29,4 +29,3 @@ def fenced(t: torch.Tensor, pad: int = 256) -> torch.Tensor:
     buf = torch.full((t.numel() + 2 * pad,), float("nan"), device=t.device, dtype=t.dtype)
     buf[pad : pad + t.numel()] = t.reshape(-1)
     return buf[pad : pad + t.numel()].view(t.shape).requires_grad_()
-
