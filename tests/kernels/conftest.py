@@ -21,11 +21,3 @@ def backend(request, monkeypatch):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
     return request.param
 
-
-def fenced(t: torch.Tensor, pad: int = 256) -> torch.Tensor:
-    """A leaf copy of t inside a buffer of NaN: a kernel that reads past t's ends, even where it
-    then discards what it read, turns some result non-finite (and may fault on a GPU where the
-    address is not mapped)."""
-    buf = torch.full((t.numel() + 2 * pad,), float("nan"), device=t.device, dtype=t.dtype)
-    buf[pad : pad + t.numel()] = t.reshape(-1)
-    return buf[pad : pad + t.numel()].view(t.shape).requires_grad_()
