@@ -15,7 +15,14 @@ import torch
 
 from ttr.models.layers import LAYER_TYPES
 from ttr.models.presets import get_preset, list_presets
-from ttr.scripts import bench_fused, bench_kernels, bench_model, bench_stages, kernel_resources
+from ttr.scripts import (
+    bench_fused,
+    bench_kernels,
+    bench_model,
+    bench_products,
+    bench_stages,
+    kernel_resources,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_1_3B = [p for p in list_presets() if p.endswith("-1.3b")]
@@ -536,6 +543,41 @@ def test_bench_kernels_preset_rows_on_gpu(tmp_path):
         for side in ("ttr", "ref"):
             assert 0 < r[f"{side}_gpu_fwd_bwd_ms"] < 1.1 * r[f"{side}_fwd_bwd_ms"], r
         assert r["rel_err_vs_ref"] < 2e-2 and r["oracle_rel_err"] < 2e-2, r
+
+
+def test_bench_products_reads_the_clock_samples(tmp_path):
+    """nvidia-smi's lines become (time, clock, power, reasons, limit); a phase takes the median of
+    the samples inside it, or the last one before its end when it is shorter than the sampling."""
+    from datetime import datetime, timedelta
+
+    log = tmp_path / "smi.csv"
+    log.write_text("2026/11/29 13:11:54.640, 1980 MHz, 123.25 W, 0x0000000000000000, 700.00 W\n"
+                   "2026/11/29 13:11:55.642, 1605 MHz, 463.70 W, 0x0000000000000004, 700.00 W\n"
+                   "[N/A]\n"
+                   "2026/11/29 13:11:56.145, 1575 MHz, 699.48 W, 0x0000000000000004, 700.00 W\n"
+                   "2026/11/29 13:11:56.646, 1545 MHz, 693.03 W, 0x0000000000000004, 700.00 W\n")
+    samples = bench_products.smi_samples(str(log))
+    assert [s[1] for s in samples] == [1980, 1605, 1575, 1545] and samples[0][4] == "700.00 W"
+    def at(seconds):
+        return datetime(2026, 11, 29, 13, 11) + timedelta(seconds=seconds)
+
+    sustained = bench_products.phase_stats(samples, at(55.5), at(56.7))
+    assert sustained == {"sm_mhz": 1575, "watts": 693.03, "reasons": ["0x0000000000000004"]}
+    cool = bench_products.phase_stats(samples, at(54.9), at(54.91))  # no sample inside: the one before
+    assert cool == {"sm_mhz": 1980, "watts": 123.25, "reasons": ["0x0000000000000000"]}
+    assert bench_products.phase_stats(samples, at(50), at(51)) == {}
+    with pytest.raises(SystemExit):
+        bench_products.parse_args(["--seconds", "0"])
+
+
+@pytest.mark.gpu
+def test_bench_products_on_gpu(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert bench_products.main(["--m", "4096", "--seconds", "0.5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["cool", "sustained"]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and r["calls"] > 0 for r in rows), rows
+    assert "| sustained |" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
