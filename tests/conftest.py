@@ -1,4 +1,5 @@
-"""Test configuration: markers, Triton interpreter on machines without CUDA, seeding."""
+"""Test configuration: markers, Triton interpreter on machines without CUDA, seeding, and GPU
+tests' share of one GPU under pytest-xdist."""
 
 import os
 import sys
@@ -19,8 +20,10 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# interpreter_bounds.py lies beside this file (on sys.path, as pytest imports this file from here)
+# interpreter_bounds.py and gpu_share.py lie beside this file (on sys.path, as pytest imports this
+# file from here)
 import interpreter_bounds  # noqa: E402
+from gpu_share import gpu_share  # noqa: E402
 
 import ttr  # noqa: E402  (after TRITON_INTERPRET is decided)
 from ttr.kernels.utils import interpreter_active  # noqa: E402
@@ -52,3 +55,19 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request):
+    """A GPU test holds its share of the GPU while it runs (``gpu_share``: alone if marked
+    ``whole_gpu``) and hands its cached memory back to the driver after, for a whole-GPU test in
+    another worker."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    with gpu_share(exclusive=request.node.get_closest_marker("whole_gpu") is not None):
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

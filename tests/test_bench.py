@@ -513,6 +513,7 @@ def test_device_bench_plans_its_parts_within_the_budget(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_bench_kernels_ssd_against_mamba_ssm_on_gpu(tmp_path):
     """ttr's SSD next to the authors' kernel at Mamba2-1.3B's shape: both timed, the output and every
     input gradient (x, dt, A, B, C) close."""
@@ -528,6 +529,7 @@ def test_bench_kernels_ssd_against_mamba_ssm_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_bench_kernels_preset_rows_on_gpu(tmp_path):
     """One preset row per op family on the GPU: ttr and the reference timed, their outputs and
     gradients close (fla's ungated DeltaNet and SDPA; the gated fla ops may be guarded on Hopper)."""
@@ -571,6 +573,7 @@ def test_bench_products_reads_the_clock_samples(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_bench_products_on_gpu(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert bench_products.main(["--m", "4096", "--seconds", "0.5", "--json", str(out)]) == 0
@@ -581,6 +584,7 @@ def test_bench_products_on_gpu(tmp_path, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_bench_model_runs_a_preset_on_gpu(tmp_path):
     """A 1.3B preset trains in the plain loop on the GPU (short sequences): tokens/s, MFU and peak
     memory filled in; the isolated child returns the same kind of row."""

@@ -80,6 +80,7 @@ def test_gpu_ledger_matches_cpu_ledger():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 @pytest.mark.parametrize("batch", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_mamba2_training_peak_not_above_gated_deltanet(batch):
     """One training step's peak (fp32 weights, bf16 autocast, fused AdamW) at batch x 4096 tokens:
