@@ -70,7 +70,9 @@ def smi_samples(path: str) -> list[tuple[datetime, float, float, str, str]]:
     """``(time, SM MHz, watts, reasons, power limit)`` per line nvidia-smi wrote (lines it could not
     read are skipped)."""
     rows = []
-    for line in open(path).read().splitlines():
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         cells = [c.strip() for c in line.split(",")]
         try:
             rows.append((datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f"), float(cells[1].split()[0]),
@@ -99,12 +101,11 @@ def main(argv=None) -> int:
     w = torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16) * args.k**-0.5
     product = lambda: torch.mm(x, w.t())  # noqa: E731
     flop = 2 * args.m * args.k * args.n
-    log = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
+    log = tempfile.NamedTemporaryFile(suffix=".csv", delete=False)
     smi = None
     if shutil.which("nvidia-smi"):
         smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", f"--query-gpu={QUERY}",
-                                "--format=csv,noheader", "-lms", "100"], stdout=open(log, "w"),
-                               stderr=subprocess.DEVNULL)
+                                "--format=csv,noheader", "-lms", "100"], stdout=log, stderr=subprocess.DEVNULL)
     phases = []
     try:
         product()
@@ -131,8 +132,9 @@ def main(argv=None) -> int:
             time.sleep(0.3)
             smi.terminate()
             smi.wait()
-    samples = smi_samples(log) if smi is not None else []
-    os.unlink(log)
+    log.close()
+    samples = smi_samples(log.name) if smi is not None else []
+    os.unlink(log.name)
     limit = samples[0][4] if samples else "unknown"
     print(f"{torch.cuda.get_device_name()} (power limit {limit}) | bf16 x [{args.m}, {args.k}] @ W^T [{args.k}, {args.n}]")
     print("| phase | calls | ms | TFLOP/s | SM MHz | W | clock-event reasons |")
