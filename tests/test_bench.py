@@ -560,6 +560,7 @@ def test_bench_products_reads_the_clock_samples(tmp_path):
                    "2026/11/29 13:11:56.646, 1545 MHz, 693.03 W, 0x0000000000000004, 700.00 W\n")
     samples = bench_products.smi_samples(str(log))
     assert [s[1] for s in samples] == [1980, 1605, 1575, 1545] and samples[0][4] == "700.00 W"
+
     def at(seconds):
         return datetime(2026, 11, 29, 13, 11) + timedelta(seconds=seconds)
 

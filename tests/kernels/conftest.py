@@ -20,4 +20,3 @@ def backend(request, monkeypatch):
     """Runs a test once per kernel backend (``TTR_KERNEL_BACKEND``)."""
     monkeypatch.setenv("TTR_KERNEL_BACKEND", request.param)
     return request.param
-
