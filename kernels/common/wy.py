@@ -70,11 +70,6 @@ def _dot(a, b):
 
 
 @triton.jit
-def _dot3(a, b):
-    return tl.dot(a, b, input_precision="tf32x3")
-
-
-@triton.jit
 def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                   REUSE_AI: tl.constexpr):
@@ -163,55 +158,49 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     o_i = tl.arange(0, BT)
     m_t = o_i < T - i_c * BT
     m_A = o_i[:, None] > o_i[None, :]
+    dt = k.dtype.element_ty
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if USE_G:
         b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_eg = fast_exp(b_g)
 
-    # Ordered so that few [BT, BT] fp32 tiles are live at once (each is 32 registers per thread
-    # at 4 warps): dT first, then Ainv, then dA, all consumed before the last loop. With the gate,
-    # K K^T is formed only after dT is consumed, by a loop of its own over the k tiles the first loop
-    # read moments before, which timed faster at 16 heads of 128 on an H200; without the gate the
-    # loop of its own timed slower, so it keeps K K^T in the first loop (docs/benchmarks.md).
-    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    if not USE_G:
-        b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    # T = Ainv diag(beta), w = T kg and u = T v (kg = k ⊙ exp(g)), and dT = dw kg^T + du v^T. Through
+    # Ainv = (I + A)^-1: dA = -Ainv^T dT diag(beta) Ainv^T = -(X w^T + Y u^T) with X = Ainv^T dw and
+    # Y = Ainv^T du; and dbeta_j = (Ainv^T dT)_jj = sum_k X_jk kg_jk + sum_v Y_jv v_jv. So every
+    # product is a [BT, BT] x [BT, BK] one in the input dtype, X and Y also give dk's and dv's share
+    # (diag(beta) X, diag(beta) Y), and no [BT, BT] fp32 product runs. w and u are formed again as
+    # the forward formed them (T rounded to the input dtype). Against forming dT and the two fp32
+    # products by the inverse, the errors against float64 stay the same in bf16 (docs/benchmarks.md).
+    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_T = (b_Ai * b_beta[None, :]).to(dt)
+    b_AiT = tl.trans(b_Ai).to(dt)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
-        if not USE_G:
-            b_KK += tl.dot(b_k, tl.trans(b_k))
-        else:
-            b_k = (b_k * b_eg[:, None]).to(b_k.dtype)
-        b_dw = tl.load(p_dw, mask=m_dw, other=0.)
-        b_dT += tl.dot(b_dw.to(b_k.dtype), tl.trans(b_k))
-    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_KK += tl.dot(b_k, tl.trans(b_k))
+        if USE_G:
+            b_k = (b_k * b_eg[:, None]).to(dt)
+        b_X = tl.dot(b_AiT, tl.load(p_dw, mask=m_dw, other=0.).to(dt))
+        b_dbeta += tl.sum(b_X * b_k.to(tl.float32), 1)
+        b_w = tl.dot(b_T, b_k).to(dt)
+        b_dA += tl.dot(b_X.to(dt), tl.trans(b_w))
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_du, m_du = tile(du + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         b_v = tl.load(p_v, mask=m_v, other=0.)
-        b_du = tl.load(p_du, mask=m_du, other=0.).to(b_v.dtype)
-        b_dT += tl.dot(b_du, tl.trans(b_v))
-        b_dv = tl.dot(tl.trans(b_Ai * b_beta[None, :]).to(b_v.dtype), b_du)  # T^T du
-        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
-
-    # T = Ainv diag(beta); Ainv = (I + A)^-1 => dA = -Ainv^T dAinv Ainv^T on the strict lower part.
-    # Both products take fp32 operands (the inverse and dT). As plain tf32 (the default for fp32
-    # dots) each operand keeps 10 of its 23 mantissa bits; three tf32
-    # products (hi*hi + hi*lo + lo*hi) keep fp32 accuracy on the tensor cores for a small share of
-    # the op's time (docs/benchmarks.md).
-    b_dbeta = tl.sum(b_dT * b_Ai, 0)
-    b_dA = _dot3(tl.trans(b_Ai), b_dT * b_beta[None, :])
-    b_dA = tl.where(m_A, -_dot3(b_dA, tl.trans(b_Ai)), 0.)
+        b_Y = tl.dot(b_AiT, tl.load(p_du, mask=m_du, other=0.).to(dt))
+        tl.store(p_dv, (b_Y * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_dv)  # T^T du
+        b_dbeta += tl.sum(b_Y * b_v.to(tl.float32), 1)
+        b_u = tl.dot(b_T, b_v).to(dt)
+        b_dA += tl.dot(b_Y.to(dt), tl.trans(b_u))
+    b_dA = tl.where(m_A, -b_dA, 0.)
     if USE_G:
         b_dA *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-        b_KK = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-            b_k = tl.load(p_k, mask=m_k, other=0.)
-            b_KK += tl.dot(b_k, tl.trans(b_k))
     # A_ij = beta_i <k_i, k_j> Γ_ij (i > j): b_dA (times Γ above) is now the gradient of
     # beta_i <k_i, k_j>, so dbeta_i += sum_j b_dA_ij <k_i, k_j> and the gradient of <k_i, k_j> is
     # dB = b_dA ⊙ beta_i; with the gate, dB ⊙ <k_i, k_j> also flows to g_i (+) and g_j (-).
@@ -224,14 +213,14 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
     # never dB transposed as an operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot result
     # used as a dot operand on Hopper), and no round trip of dB through memory.
-    b_dB = b_dB.to(k.dtype.element_ty)
+    b_dB = b_dB.to(dt)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_dk, m_dk = tile(dk + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
-        b_dw = tl.load(p_dw, mask=m_dw, other=0.).to(b_k.dtype)
-        b_dkb = tl.dot(tl.trans(b_Ai * b_beta[None, :]).to(b_k.dtype), b_dw)  # gradient of k ⊙ exp(g)
+        # the gradient of kg: T^T dw = diag(beta) X, X formed again rather than kept per key block
+        b_dkb = tl.dot(b_AiT, tl.load(p_dw, mask=m_dw, other=0.).to(dt)) * b_beta[:, None]
         b_dk = tl.dot(b_dB, b_k) + tl.trans(tl.dot(tl.trans(b_k), b_dB))
         if USE_G:
             b_dk += b_dkb * b_eg[:, None]
