@@ -171,6 +171,9 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # (diag(beta) X, diag(beta) Y), and no [BT, BT] fp32 product runs. w and u are formed again as
     # the forward formed them (T rounded to the input dtype). Against forming dT and the two fp32
     # products by the inverse, the errors against float64 stay the same in bf16 (docs/benchmarks.md).
+    # w^T and u^T enter their products as the second operand, which Triton stages through shared
+    # memory; the Hopper miscompile below concerns a transposed product result as the first,
+    # register operand, and the GPU tests check these gradients against float64 on Hopper.
     b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_T = (b_Ai * b_beta[None, :]).to(dt)
     b_AiT = tl.trans(b_Ai).to(dt)
@@ -211,8 +214,9 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_P = b_dB * b_KK
         b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
     # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
-    # never dB transposed as an operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot result
-    # used as a dot operand on Hopper), and no round trip of dB through memory.
+    # never dB transposed as the first operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot
+    # result used as a dot's first operand on Hopper: fla issue #640, Triton issue #6124), and no
+    # round trip of dB through memory.
     b_dB = b_dB.to(dt)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
