@@ -171,8 +171,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # (diag(beta) X, diag(beta) Y), and no [BT, BT] fp32 product runs. w and u are formed again as
     # the forward formed them (T rounded to the input dtype). Against forming dT and the two fp32
     # products by the inverse, the errors against float64 stay the same in bf16 (docs/benchmarks.md).
-    # w^T and u^T enter their products as the second operand, which Triton stages through shared
-    # memory; the Hopper miscompile below concerns a transposed product result as the first,
+    # w^T and u^T enter their products as the second operand, which the Hopper matrix instruction
+    # reads from SMEM; the miscompile below concerns a transposed product result as the first,
     # register operand, and the GPU tests check these gradients against float64 on Hopper.
     b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
     b_T = (b_Ai * b_beta[None, :]).to(dt)
