@@ -171,11 +171,11 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # (diag(beta) X, diag(beta) Y), and no [BT, BT] fp32 product runs. w and u are formed again as
     # the forward formed them (T rounded to the input dtype). Against forming dT and the two fp32
     # products by the inverse, the errors against float64 stay the same in bf16 (docs/benchmarks.md).
-    # w^T and u^T enter their products as the second operand, which the Hopper matrix instruction
-    # reads from SMEM; the miscompile below concerns a transposed product result as the first,
-    # register operand, and the GPU tests check these gradients against float64 on Hopper.
+    # w^T and u^T are formed as products of transposed tiles (kg^T T^T, v^T T^T), not by transposing
+    # w and u: a transposed product result as a product's operand is the pattern of the Hopper
+    # miscompile below. The two forms time the same (docs/benchmarks.md).
     b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
-    b_T = (b_Ai * b_beta[None, :]).to(dt)
+    b_TT = tl.trans(b_Ai * b_beta[None, :]).to(dt)  # T^T
     b_AiT = tl.trans(b_Ai).to(dt)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -189,8 +189,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
             b_k = (b_k * b_eg[:, None]).to(dt)
         b_X = tl.dot(b_AiT, tl.load(p_dw, mask=m_dw, other=0.).to(dt))
         b_dbeta += tl.sum(b_X * b_k.to(tl.float32), 1)
-        b_w = tl.dot(b_T, b_k).to(dt)
-        b_dA += tl.dot(b_X.to(dt), tl.trans(b_w))
+        b_dA += tl.dot(b_X.to(dt), tl.dot(tl.trans(b_k), b_TT).to(dt))
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_du, m_du = tile(du + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
@@ -199,8 +198,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_Y = tl.dot(b_AiT, tl.load(p_du, mask=m_du, other=0.).to(dt))
         tl.store(p_dv, (b_Y * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_dv)  # T^T du
         b_dbeta += tl.sum(b_Y * b_v.to(tl.float32), 1)
-        b_u = tl.dot(b_T, b_v).to(dt)
-        b_dA += tl.dot(b_Y.to(dt), tl.trans(b_u))
+        b_dA += tl.dot(b_Y.to(dt), tl.dot(tl.trans(b_v), b_TT).to(dt))
     b_dA = tl.where(m_A, -b_dA, 0.)
     if USE_G:
         b_dA *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
