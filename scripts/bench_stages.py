@@ -186,10 +186,11 @@ STATE_WALK_SWEEP = {
     "state_bwd": [dict(two_level=False, num_warps=8, num_stages=ns, BV=bv) for ns, bv in ((1, 64), (2, 32), (3, 32))]
     + [dict(two_level=False, BV=32, num_warps=4, num_stages=2)],
 }
-# the WY forward on 4 or 8 warps (2 cannot issue Hopper's warpgroup products); the dq/dk stage in two
-# K blocks on 4 or 8 warps or one on 8 (the delta rule's default, the gated one's alternative)
+# the WY forward's products on 2 or 8 warps and its inverse on 2 or 4; the dq/dk stage in two K blocks
+# on 4 or 8 warps or one on 8 (the delta rule's default, the gated one's alternative)
 DELTA_SWEEP = {
-    "wy_fwd": [dict(num_warps=nw) for nw in (4, 8)],
+    "wy_fwd": [dict(num_warps=nw) for nw in (2, 8)],
+    "wy_inverse": [dict(num_warps=nw) for nw in (2, 4)],
     "output_bwd_dqk": [dict(BK=64, num_warps=nw) for nw in (4, 8)] + [dict(BK=128, BV=bv, num_warps=8, num_stages=ns)
                                                                   for bv in (32, 64) for ns in (2, 3)],
     **STATE_WALK_SWEEP,
@@ -204,7 +205,8 @@ DELTA_SWEEP = {
 # Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their
 # name (the two-level state pass's scan, the dB/dC stage's scores-gradient kernel); the stage line
 # and its total list each call once.
-SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb"}
+SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb",
+                 "wy_inverse": "wy_fwd"}
 
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {

@@ -219,7 +219,7 @@ def keep_states(plan: ChunkPlan) -> bool:
     return plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs
 
 
-# Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_fwd", "wy_bwd", "output_fwd",
+# Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_inverse", "wy_fwd", "wy_bwd", "output_fwd",
 # "output_bwd_dv", "output_bwd_dqk") -> {"BV": .., "num_warps": .., "num_stages": ..}, and "overlap" ->
 # {"enabled": False} to run the passes that ``overlap.beside`` puts on a second stream in turn. Empty
 # in normal use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in

@@ -10,7 +10,8 @@ The inverse: the four 16 x 16 diagonal blocks by forward substitution (rows read
 global scratch, which is the ``Ainv`` output itself), then the off-diagonal blocks by block
 forward substitution, ``Inv_rc = -Inv_rr sum_{c <= m < r} A_rm Inv_mc``. This is exact
 arithmetic on bounded quantities; a Neumann/product series would form powers of A whose
-entries grow like binomials when keys are correlated.
+entries grow like binomials when keys are correlated. The inverse is a launch of its own
+(``wy_inverse_kernel``), w and u another (``wy_fwd_kernel``), which alone runs when ``Ainv`` is given.
 
 Shapes: k ``[B,T,H,K]``, v ``[B,T,H,V]``, beta ``[B,T,H]``, g ``[B,T,H]`` fp32 (cumulative),
 Ainv ``[B,T,H,BT]`` fp32 (row t holds row t mod BT of its chunk's inverse).
@@ -25,6 +26,11 @@ import triton.language as tl
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, tile
+
+# The inverse's halves (the diagonal blocks' substitution, the merge) are chains of small steps
+# through its scratch; on one warp its launch ran faster than on two or four, its spills included
+# (docs/benchmarks.md, the WY forward's choice).
+WY_INVERSE_WARPS = 1
 
 
 @triton.jit
@@ -70,9 +76,10 @@ def _dot(a, b):
 
 
 @triton.jit
-def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                  REUSE_AI: tl.constexpr):
+def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+    """``Ai = (I + A)^-1`` of each chunk, a launch of its own (on one warp, ``WY_INVERSE_WARPS``)
+    rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
@@ -81,55 +88,67 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
     o_i = tl.arange(0, BT)
     m_t = o_i < n_valid
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    if USE_G:
+        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
+        b_A += tl.dot(b_k, tl.trans(b_k))
+    m_A = o_i[:, None] > o_i[None, :]
+    if USE_G:
+        b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
+    tl.store(p_Ai, b_A, mask=m_t[:, None])
+    tl.debug_barrier()
 
+    _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+    # rows 2 and 3, then row 4: a row's A blocks are loaded before a barrier and its inverse
+    # blocks, which overwrite them, stored after it; row 4's are loaded once rows 2 and 3 are
+    # done, so fewer 16 x 16 blocks are live at once: the merge spilled less and ran faster (measured
+    # on 2 warps, with the inverse in the products' launch: docs/benchmarks.md)
+    b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
+    b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
+    b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
+    b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
+    b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
+    b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+    b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
+    _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
+    b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
+    b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
+    _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
+    b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
+    b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
+    b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
+    b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
+    tl.debug_barrier()
+    b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
+    b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
+    b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
+    _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
+    _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
+
+
+@triton.jit
+def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+    """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    T = eos - bos
+    g0 = bos + i_c * BT
+    o_i = tl.arange(0, BT)
+    m_t = o_i < T - i_c * BT
+    b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if USE_G:
         b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
     p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
-    if not REUSE_AI:
-        b_A = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-            b_k = tl.load(p_k, mask=m_k, other=0.)  # [BT, BK]
-            b_A += tl.dot(b_k, tl.trans(b_k))
-        m_A = o_i[:, None] > o_i[None, :]
-        if USE_G:
-            b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-        b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
-        tl.store(p_Ai, b_A, mask=m_t[:, None])
-        tl.debug_barrier()
-
-        _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
-        tl.debug_barrier()
-        # rows 2 and 3, then row 4: a row's A blocks are loaded before a barrier and its inverse
-        # blocks, which overwrite them, stored after it; row 4's are loaded once rows 2 and 3 are
-        # done, so fewer 16 x 16 blocks are live at once: on 2 warps the merge spilled less and the
-        # stage ran faster (docs/benchmarks.md, the WY forward's choice)
-        b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
-        b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
-        b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
-        b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
-        b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
-        b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
-        tl.debug_barrier()
-        b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
-        _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
-        b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
-        b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
-        _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
-        _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
-        b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
-        b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
-        b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
-        b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
-        tl.debug_barrier()
-        b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
-        b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
-        b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
-        _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
-        _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
-        _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
-        tl.debug_barrier()
-
     b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -253,12 +272,13 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
     BK, BV = block_size(K, 64), block_size(V, 64)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    reuse = Ai is not None
-    if not reuse:
+    grid = (plan.num_chunks, H)
+    if Ai is None:
         Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    wy_fwd_kernel[(plan.num_chunks, H)](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K,
-                                         V=V, BT=BT, BK=BK, BV=BV, USE_G=g is not None, REUSE_AI=reuse,
-                                         **tuned("wy_fwd", num_warps=2))
+        wy_inverse_kernel[grid](k, beta, g, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=BT, BK=BK,
+                                USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
+    wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=BT, BK=BK,
+                        BV=BV, USE_G=g is not None, **tuned("wy_fwd", num_warps=4))
     return w, u, Ai
 
 
