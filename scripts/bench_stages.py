@@ -198,8 +198,9 @@ DELTA_SWEEP = {
     "state_fwd": STATE_WALK_SWEEP["state_fwd"] + [dict(output=o, num_warps=nw, num_stages=ns) for o in (True, False)
                                                   for nw in (4, 8) for ns in (2, 3)],
     # the backward walk forming the intra-chunk dv or reading it from a launch of its own
-    # (``state.walk_forms_dv``)
-    "state_bwd": STATE_WALK_SWEEP["state_bwd"] + [dict(intra_dv=True), dict(intra_dv=False)],
+    # (``state.walk_forms_dv``); over value blocks of 64 or whole rows of 128 (``state._state_blocks``)
+    "state_bwd": STATE_WALK_SWEEP["state_bwd"] + [dict(intra_dv=True), dict(intra_dv=False)]
+    + [dict(two_level=False, BV=bv, num_warps=8, num_stages=ns) for bv, ns in ((64, 3), (128, 2))],
 }
 
 # Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their

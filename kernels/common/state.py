@@ -377,7 +377,7 @@ def _walk(w, gk) -> str:
 
 
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool,
-                  walk: str):
+                  walk: str, gate: bool = False):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
@@ -406,12 +406,24 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     It compiles to 100 - 120 registers with or without the cap (``kernel_resources``), so the cap
     changes ptxas's schedule, not the programs per SM.
 
+    DeltaNet's backward (``w``, no gate, 16-bit inputs, one key block of 128) walks rows of 128
+    values (8 warps, 2 stages) wherever one program per (sequence, head) and value row already
+    fills the GPU: each step then reads the chunk's q, k, w and do tiles once rather than once per
+    value block, and at a full grid the walk is bound by those reads. On an H200 (16 heads of
+    K = V = 128, 8 x 2048: 128 programs) it timed faster than BV = 64; with half a grid (4 x 4096)
+    it lost. The delta rules' other walks over whole rows were slower at 8 x 2048 (the forward's,
+    which also forms the output, and the gated backward's) or no faster (the walk that forms h
+    again) (docs/benchmarks.md, launch choices).
+
     Returns ``(BK, split, launch)``, the launch a dict of BV, num_warps, num_stages (and maxnreg)."""
     split = K > 128
     BK = 128 if split else block_size(K, 128)
     KP = 2 * BK if split else BK
     sms = sm_count(device)
     BV = block_size(V, 64)
+    if (backward and walk == "delta" and not gate and elem == 2 and KP == 128 and V >= 128
+            and programs_per_vblock * cdiv(V, 128) >= 0.9 * sms):
+        BV = 128  # 8 warps and 2 stages below
     while BV > 16 and programs_per_vblock * cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:
@@ -427,12 +439,12 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
 
 
-def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str):
+def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool):
     """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd" / "state_bwd"):
     ``_state_blocks``' heuristic, with ``TUNING[stage]`` over it and the one wrong launch refused
     (``_checked``), except for the split state's single launch."""
     BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
-                                   stage == "state_bwd", walk)
+                                   stage == "state_bwd", walk, gate)
     return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))
 
 
@@ -591,7 +603,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk))
+    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk), g is not None)
     store_h = keep_h or q is None
     h = k.new_empty(plan.num_chunks, H, K, V) if store_h else None
     v_new = torch.empty_like(u) if w is not None else u
@@ -638,7 +650,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk))
+    BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk), g is not None)
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = torch.empty_like(do) if intra_dv else None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None

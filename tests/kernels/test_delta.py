@@ -355,6 +355,28 @@ def test_gpu_chunk_states_choices_agree(monkeypatch, op, dtype):
         assert all(e <= GPU_TOL[dtype] / 10 for e in errors.values()), (choice, errors)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("V,packed", [(128, False), (128, True), (256, False)], ids=str)
+def test_gpu_delta_backward_walk_over_whole_rows(monkeypatch, dtype, V, packed):
+    """DeltaNet's backward walk over rows of 128 values, its launch once one program per (sequence,
+    head) fills the GPU (``state._state_blocks``), against the float64 oracle."""
+    from ttr.kernels.common import state
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    H, cuda = 16, torch.device("cuda")
+    N = -(-state.sm_count(cuda) // H)
+    assert state._state_blocks(128, V, N * H, cuda, 2, True, "delta")[2]["BV"] == 128
+    if packed:  # N documents of 1 - 200 tokens, some ending inside a chunk
+        lengths = [(37 * i) % 200 + 1 for i in range(N)]
+        cu_list = [sum(lengths[:i]) for i in range(N + 1)]
+        B, T = 1, cu_list[-1]
+    else:
+        B, T, cu_list = N, 192, None
+    x, cu = make_inputs("delta", B, T, H, 128, V, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
+    check_against_oracle("delta", x, cu, tol=GPU_TOL[dtype])
+
+
 STATE_CFGS = [None, {"num_stages": 1}, {"num_stages": 2}, {"num_warps": 4}, {"num_warps": 8}, {"BV": 64, "num_stages": 1}]
 
 
