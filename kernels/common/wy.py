@@ -76,10 +76,11 @@ def _dot(a, b):
 
 
 @triton.jit
-def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                      BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
-    """``Ai = (I + A)^-1`` of each chunk, a launch of its own (on one warp, ``WY_INVERSE_WARPS``)
-    rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice)."""
+def _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+    """What every WY launch opens with for its program's (chunk, head): the head, the chunk's index
+    in its sequence, the sequence's start and length, the chunk's first token, its valid rows (index,
+    count, mask), its betas (fp32), its cumulative gates (``chunk_gate``; zeros without a gate) and
+    the pointers of its ``[BT, BT]`` tile of ``Ai``."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
@@ -88,9 +89,21 @@ def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr
     o_i = tl.arange(0, BT)
     m_t = o_i < n_valid
     b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
     if USE_G:
-        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
+        b_g = chunk_gate(g, g0, n_valid, i_h, H, BT)  # padded rows: the last valid g
+    else:
+        b_g = tl.zeros([BT], dtype=tl.float32)
+    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    return i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai
+
+
+@triton.jit
+def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+    """``Ai = (I + A)^-1`` of each chunk, a launch of its own (on one warp, ``WY_INVERSE_WARPS``)
+    rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice)."""
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
+                                                                         H, BT, USE_G)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -139,16 +152,8 @@ def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr
 def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
     """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
-    T = eos - bos
-    g0 = bos + i_c * BT
-    o_i = tl.arange(0, BT)
-    m_t = o_i < T - i_c * BT
-    b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    if USE_G:
-        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
-    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
+                                                                         H, BT, USE_G)
     b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -170,17 +175,11 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
 def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
-    T = eos - bos
-    g0 = bos + i_c * BT
-    o_i = tl.arange(0, BT)
-    m_t = o_i < T - i_c * BT
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
+                                                                         H, BT, USE_G)
     m_A = o_i[:, None] > o_i[None, :]
     dt = k.dtype.element_ty
-    b_beta = tl.load(beta + (g0 + o_i) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if USE_G:
-        b_g = chunk_gate(g, g0, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_eg = fast_exp(b_g)
 
     # T = Ainv diag(beta), w = T kg and u = T v (kg = k ⊙ exp(g)), and dT = dw kg^T + du v^T. Through
@@ -193,7 +192,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # w^T and u^T are formed as products of transposed tiles (kg^T T^T, v^T T^T), not by transposing
     # w and u: a transposed product result as a product's operand is the pattern of the Hopper
     # miscompile below. The two forms time the same (docs/benchmarks.md).
-    b_Ai = tl.load(Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+    b_Ai = tl.load(p_Ai, mask=m_t[:, None], other=0.)
     b_TT = tl.trans(b_Ai * b_beta[None, :]).to(dt)  # T^T
     b_AiT = tl.trans(b_Ai).to(dt)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
