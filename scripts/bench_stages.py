@@ -207,7 +207,7 @@ DELTA_SWEEP = {
 # name (the two-level state pass's scan, the dB/dC stage's scores-gradient kernel, the WY forward's
 # inverse); the stage line and its total list each call once.
 SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb",
-                 "wy_inverse": "wy_fwd"}
+                 "wy_inverse": "wy_fwd", "output_fwd": "state_fwd", "output_bwd_dv": "state_bwd"}
 
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
@@ -215,6 +215,11 @@ SWEEPS = {
         "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((32, 32), (32, 64), (64, 64), (64, 128),
                    (128, 64), (128, 128)) for nw in (4, 8)],
         **DELTA_SWEEP,
+        # the launches beside the gated walks: the output after the forward walk, the intra-chunk dv
+        # before the backward walk (timed through the walk's stage, ``SWEEP_ALIASES``)
+        "output_fwd": [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (64, 128) for nw in (4, 8)
+                       for ns in (2, 3, 4)],
+        "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3, 4)],
     },
     "delta": DELTA_SWEEP,
     "gla": {
