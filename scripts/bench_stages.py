@@ -205,7 +205,8 @@ DELTA_SWEEP = {
 
 # Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their
 # name (the two-level state pass's scan, the dB/dC stage's scores-gradient kernel, the WY forward's
-# inverse); the stage line and its total list each call once.
+# inverse, the gated delta rule's output and intra-chunk dv launches beside its walks); the stage line
+# and its total list each call once.
 SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb",
                  "wy_inverse": "wy_fwd", "output_fwd": "state_fwd", "output_bwd_dv": "state_bwd"}
 
