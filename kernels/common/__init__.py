@@ -20,8 +20,8 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``reverse=True``.
 - ``wy.wy_fwd(k, v, beta, plan, *, g=None) -> (w, u, Ainv)``:
   ``A = tril(diag(beta) K K^T ⊙ Γ, -1)``, ``Γ_ij = exp(g_i - g_j)`` (1 without g),
-  ``Ainv = (I + A)^-1`` (``[B,T,H,BT]`` fp32), ``T = Ainv diag(beta)``, ``w = T (k ⊙ exp(g))``,
-  ``u = T v``.
+  ``Ainv = (I + A)^-1`` (``[B,T,H,BT]`` in k's dtype, formed in fp32), ``T = Ainv diag(beta)``,
+  ``w = T (k ⊙ exp(g))``, ``u = T v``.
 - ``wy.wy_bwd(k, v, beta, Ainv, dw, du, plan, *, g=None, dk=None, dg=None)
   -> (dk, dv, dbeta, dg)``: adds the WY gradients to ``dk`` (fp32 partial or None) and to ``dg``
   (cumulative-gate space) and returns ``dg`` already mapped back to the raw gate (reverse cumsum).

@@ -7,14 +7,14 @@ Inside a chunk of BT = 64 tokens with keys K, values V, betas b and cumulative l
 the chunk (``state.py``).
 
 The inverse: the four 16 x 16 diagonal blocks by forward substitution (rows read back from a
-global scratch, which is the ``Ainv`` output itself), then the off-diagonal blocks by block
+global fp32 scratch), then the off-diagonal blocks by block
 forward substitution, ``Inv_rc = -Inv_rr sum_{c <= m < r} A_rm Inv_mc``. This is exact
 arithmetic on bounded quantities; a Neumann/product series would form powers of A whose
 entries grow like binomials when keys are correlated. The inverse is a launch of its own
 (``wy_inverse_kernel``), w and u another (``wy_fwd_kernel``), which alone runs when ``Ainv`` is given.
 
 Shapes: k ``[B,T,H,K]``, v ``[B,T,H,V]``, beta ``[B,T,H]``, g ``[B,T,H]`` fp32 (cumulative),
-Ainv ``[B,T,H,BT]`` fp32 (row t holds row t mod BT of its chunk's inverse).
+Ainv ``[B,T,H,BT]`` in k's dtype (row t holds row t mod BT of its chunk's inverse).
 """
 
 from __future__ import annotations
@@ -46,25 +46,25 @@ def _st16(Ai, b, g0, r, c, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     o_s = tl.arange(0, 16)
     rows = r * 16 + o_s
     p = Ai + ((g0 + rows).to(tl.int64) * H + i_h)[:, None] * BT + c * 16 + o_s[None, :]
-    tl.store(p, b, mask=(rows < n_valid)[:, None])
+    tl.store(p, b.to(Ai.dtype.element_ty), mask=(rows < n_valid)[:, None])
 
 
 @triton.jit
-def _inv_diag16(Ai, g0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
-    """Overwrite the four strictly lower 16 x 16 diagonal blocks of the scratch with
+def _inv_diag16(S, g0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """Overwrite the four strictly lower 16 x 16 diagonal blocks of the scratch ``S`` with
     ``(I + A_rr)^-1``, all four at once, by forward substitution over the 16 rows."""
     o_r = tl.arange(0, 4)
     o_s = tl.arange(0, 16)
     b_n = tl.zeros([4, 16, 16], dtype=tl.float32)
     for i in tl.static_range(1, 16):  # unrolled: the 15 row loads do not wait on the substitution
         row = o_r * 16 + i  # [4]
-        p = Ai + ((g0 + row).to(tl.int64) * H + i_h)[:, None] * BT + (o_r * 16)[:, None] + o_s[None, :]
+        p = S + ((g0 + row).to(tl.int64) * H + i_h)[:, None] * BT + (o_r * 16)[:, None] + o_s[None, :]
         b_a = -tl.load(p, mask=(o_s[None, :] < i) & (row < n_valid)[:, None], other=0.)  # [4, 16]
         b_a = b_a + tl.sum(b_a[:, :, None] * b_n, 1)
         b_n = tl.where((o_s == i)[None, :, None], b_a[:, None, :], b_n)
     b_n += tl.where(o_s[:, None] == o_s[None, :], 1., 0.)[None, :, :]
     rows = o_r[:, None] * 16 + o_s[None, :]  # [4, 16]
-    p = (Ai + ((g0 + rows).to(tl.int64) * H + i_h)[:, :, None] * BT + (o_r * 16)[:, None, None]
+    p = (S + ((g0 + rows).to(tl.int64) * H + i_h)[:, :, None] * BT + (o_r * 16)[:, None, None]
          + o_s[None, None, :])
     tl.debug_barrier()
     tl.store(p, b_n, mask=(rows < n_valid)[:, :, None])
@@ -76,11 +76,12 @@ def _dot(a, b):
 
 
 @triton.jit
-def _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+def _wy_chunk(beta, g, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
     """What every WY launch opens with for its program's (chunk, head): the head, the chunk's index
     in its sequence, the sequence's start and length, the chunk's first token, its valid rows (index,
     count, mask), its betas (fp32), its cumulative gates (``chunk_gate``; zeros without a gate) and
-    the pointers of its ``[BT, BT]`` tile of ``Ai``."""
+    the offsets of its ``[BT, BT]`` tile in ``Ai`` (and in the inverse's fp32 scratch, of the same
+    layout)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
@@ -93,17 +94,19 @@ def _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.co
         b_g = chunk_gate(g, g0, n_valid, i_h, H, BT)  # padded rows: the last valid g
     else:
         b_g = tl.zeros([BT], dtype=tl.float32)
-    p_Ai = Ai + ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
-    return i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai
+    o_A = ((g0 + o_i) * H + i_h)[:, None] * BT + o_i[None, :]
+    return i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A
 
 
 @triton.jit
-def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
     """``Ai = (I + A)^-1`` of each chunk, a launch of its own (on one warp, ``WY_INVERSE_WARPS``)
-    rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice)."""
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
-                                                                         H, BT, USE_G)
+    rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice).
+    The substitutions run in fp32 through the scratch ``S``; ``Ai`` takes each finished block in
+    the inputs' dtype, the one its readers round it to for their products."""
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+                                                                        USE_G)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -113,48 +116,60 @@ def wy_inverse_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr
     if USE_G:
         b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
     b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
-    tl.store(p_Ai, b_A, mask=m_t[:, None])
+    # the scratch takes only the blocks the substitutions read (on and below the diagonal): each
+    # byte of it written is also written back to memory, though nothing reads it after this launch
+    tl.store(S + o_A, b_A, mask=m_t[:, None] & (o_i[None, :] // 16 <= o_i[:, None] // 16))
     tl.debug_barrier()
 
-    _inv_diag16(Ai, g0, n_valid, i_h, H, BT)
+    _inv_diag16(S, g0, n_valid, i_h, H, BT)
     tl.debug_barrier()
-    # rows 2 and 3, then row 4: a row's A blocks are loaded before a barrier and its inverse
-    # blocks, which overwrite them, stored after it; row 4's are loaded once rows 2 and 3 are
-    # done, so fewer 16 x 16 blocks are live at once: the merge spilled less and ran faster (measured
-    # on 2 warps, with the inverse in the products' launch: docs/benchmarks.md)
-    b_i11 = _ld16(Ai, g0, 0, 0, n_valid, i_h, H, BT)
-    b_i22 = _ld16(Ai, g0, 1, 1, n_valid, i_h, H, BT)
-    b_a21 = _ld16(Ai, g0, 1, 0, n_valid, i_h, H, BT)
-    b_i33 = _ld16(Ai, g0, 2, 2, n_valid, i_h, H, BT)
-    b_a31 = _ld16(Ai, g0, 2, 0, n_valid, i_h, H, BT)
-    b_a32 = _ld16(Ai, g0, 2, 1, n_valid, i_h, H, BT)
+    # rows 2 and 3, then row 4: row 4's blocks are loaded once rows 2 and 3 are done (the barrier
+    # keeps the loads from moving up), so fewer 16 x 16 blocks are live at once: the merge spilled
+    # less and ran faster (measured on 2 warps, with the inverse in the products' launch:
+    # docs/benchmarks.md). Ai takes the diagonal blocks as the merge loads them and the merged
+    # blocks as it forms them (nothing reads those back).
+    b_i11 = _ld16(S, g0, 0, 0, n_valid, i_h, H, BT)
+    b_i22 = _ld16(S, g0, 1, 1, n_valid, i_h, H, BT)
+    b_a21 = _ld16(S, g0, 1, 0, n_valid, i_h, H, BT)
+    b_i33 = _ld16(S, g0, 2, 2, n_valid, i_h, H, BT)
+    b_a31 = _ld16(S, g0, 2, 0, n_valid, i_h, H, BT)
+    b_a32 = _ld16(S, g0, 2, 1, n_valid, i_h, H, BT)
     tl.debug_barrier()
+    _st16(Ai, b_i11, g0, 0, 0, n_valid, i_h, H, BT)
+    _st16(Ai, b_i22, g0, 1, 1, n_valid, i_h, H, BT)
+    _st16(Ai, b_i33, g0, 2, 2, n_valid, i_h, H, BT)
     b_i21 = -_dot(b_i22, _dot(b_a21, b_i11))
     _st16(Ai, b_i21, g0, 1, 0, n_valid, i_h, H, BT)
     b_i32 = -_dot(b_i33, _dot(b_a32, b_i22))
     b_i31 = -_dot(b_i33, _dot(b_a31, b_i11) + _dot(b_a32, b_i21))
     _st16(Ai, b_i31, g0, 2, 0, n_valid, i_h, H, BT)
     _st16(Ai, b_i32, g0, 2, 1, n_valid, i_h, H, BT)
-    b_i44 = _ld16(Ai, g0, 3, 3, n_valid, i_h, H, BT)
-    b_a41 = _ld16(Ai, g0, 3, 0, n_valid, i_h, H, BT)
-    b_a42 = _ld16(Ai, g0, 3, 1, n_valid, i_h, H, BT)
-    b_a43 = _ld16(Ai, g0, 3, 2, n_valid, i_h, H, BT)
+    b_i44 = _ld16(S, g0, 3, 3, n_valid, i_h, H, BT)
+    b_a41 = _ld16(S, g0, 3, 0, n_valid, i_h, H, BT)
+    b_a42 = _ld16(S, g0, 3, 1, n_valid, i_h, H, BT)
+    b_a43 = _ld16(S, g0, 3, 2, n_valid, i_h, H, BT)
     tl.debug_barrier()
+    _st16(Ai, b_i44, g0, 3, 3, n_valid, i_h, H, BT)
     b_i43 = -_dot(b_i44, _dot(b_a43, b_i33))
     b_i42 = -_dot(b_i44, _dot(b_a42, b_i22) + _dot(b_a43, b_i32))
     b_i41 = -_dot(b_i44, _dot(b_a41, b_i11) + _dot(b_a42, b_i21) + _dot(b_a43, b_i31))
     _st16(Ai, b_i41, g0, 3, 0, n_valid, i_h, H, BT)
     _st16(Ai, b_i42, g0, 3, 1, n_valid, i_h, H, BT)
     _st16(Ai, b_i43, g0, 3, 2, n_valid, i_h, H, BT)
+    # the blocks above the diagonal: zeros
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    for r in tl.static_range(3):
+        for c in tl.static_range(r + 1, 4):
+            _st16(Ai, b_0, g0, r, c, n_valid, i_h, H, BT)
 
 
 @triton.jit
 def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
     """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``."""
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
-                                                                         H, BT, USE_G)
-    b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+                                                                        USE_G)
+    b_T = tl.load(Ai + o_A, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_w, m_w = tile(w + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -175,8 +190,8 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
 def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, p_Ai = _wy_chunk(beta, g, Ai, cu_seqlens, chunk_indices,
-                                                                         H, BT, USE_G)
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+                                                                        USE_G)
     m_A = o_i[:, None] > o_i[None, :]
     dt = k.dtype.element_ty
     if USE_G:
@@ -192,7 +207,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     # w^T and u^T are formed as products of transposed tiles (kg^T T^T, v^T T^T), not by transposing
     # w and u: a transposed product result as a product's operand is the pattern of the Hopper
     # miscompile below. The two forms time the same (docs/benchmarks.md).
-    b_Ai = tl.load(p_Ai, mask=m_t[:, None], other=0.)
+    b_Ai = tl.load(Ai + o_A, mask=m_t[:, None], other=0.)
     b_TT = tl.trans(b_Ai * b_beta[None, :]).to(dt)  # T^T
     b_AiT = tl.trans(b_Ai).to(dt)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
@@ -273,8 +288,11 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
     u = torch.empty_like(v)
     grid = (plan.num_chunks, H)
     if Ai is None:
-        Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-        wy_inverse_kernel[grid](k, beta, g, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=BT, BK=BK,
+        # kept for the backward in k's dtype (half of fp32's bytes in bf16): every reader rounds
+        # it to that dtype for its products; the substitutions' fp32 scratch lives for this launch
+        scratch = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
+        Ai = torch.empty(B, T, H, BT, device=k.device, dtype=k.dtype)
+        wy_inverse_kernel[grid](k, beta, g, scratch, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=BT, BK=BK,
                                 USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
     wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=BT, BK=BK,
                         BV=BV, USE_G=g is not None, **tuned("wy_fwd", num_warps=4))
