@@ -17,7 +17,7 @@ from ttr.kernels.gated_delta import (
     reference_gated_delta_rule,
 )
 
-from .conftest import rel_rms
+from .conftest import DEVICE, rel_rms
 
 OPS = {
     "delta": (chunk_delta_rule, recurrent_delta_rule, reference_delta_rule, False),
@@ -110,6 +110,61 @@ def test_chunk_kept_states_match_oracle(monkeypatch, op, cu_list):
     T = 130 if cu_list is None else cu_list[-1]
     x, cu = make_inputs(op, 1, T, 2, 16, 16, beta_max=2.0, cu_seqlens=cu_list, h0=True)
     check_against_oracle(op, x, cu, tol=1e-4)
+
+
+def _inverse_oracle(k, beta, g, starts, ends, BT=64):
+    """float64 ``(I + A)^-1`` per chunk, ``[T, H, BT]`` rows as the WY forward lays them out, with
+    ``A = tril(diag(beta) K K^T ⊙ exp(G_i - G_j), -1)`` and G the gate's sum inside the chunk."""
+    T, H, _ = k.shape
+    out = torch.zeros(T, H, BT, dtype=torch.float64)
+    k, beta = k.double().cpu(), beta.double().cpu()
+    g = g.double().cpu() if g is not None else torch.zeros(T, H, dtype=torch.float64)
+    for s, e in zip(starts, ends):
+        for c0 in range(s, e, BT):
+            n = min(BT, e - c0)
+            kc, bc, G = k[c0:c0 + n], beta[c0:c0 + n], g[c0:c0 + n].cumsum(0)
+            for h in range(H):
+                A = bc[:, h, None] * (kc[:, h] @ kc[:, h].T) * torch.exp(G[:, h, None] - G[None, :, h])
+                out[c0:c0 + n, h, :n] = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A.tril(-1))
+    return out
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated_delta"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_wy_inverse_kept_in_the_inputs_dtype(monkeypatch, gated, dtype):
+    """The WY forward's kept inverse: k's dtype, each chunk's ``(I + A)^-1`` (a partial last chunk
+    and packed sequences included) and exact zeros above the diagonal, which its readers load.
+    New float buffers start as NaN, so no element may be left as the allocator gave it."""
+    from ttr.kernels.common.cumsum import chunk_local_cumsum
+    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.wy import wy_fwd
+
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("needs a CUDA GPU")
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    cu_list = [0, 70, 200, 229]
+    T, H, K = cu_list[-1], 2, 32
+    gen = torch.Generator().manual_seed(3)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1).to(DEVICE, dtype)
+    v = torch.randn(1, T, H, K, generator=gen).to(DEVICE, dtype)
+    beta = (torch.rand(1, T, H, generator=gen) * 0.98 + 0.01).to(DEVICE)
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 2.0).to(DEVICE) if gated else None
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
+    plan = prepare_chunks(cu, 1, T, device=DEVICE)
+    _, _, Ai = wy_fwd(k, v, beta, plan, g=chunk_local_cumsum(g, plan) if gated else None)
+    assert Ai.dtype == dtype and Ai.shape == (1, T, H, 64)
+    want = _inverse_oracle(k[0], beta[0], g[0] if gated else None, cu_list[:-1], cu_list[1:])
+    Ai = Ai[0].double().cpu()
+    rows = torch.cat([torch.arange(e - s) % 64 for s, e in zip(cu_list[:-1], cu_list[1:])])  # row in its chunk
+    upper = torch.arange(64)[None, :] > rows[:, None]
+    assert (Ai[upper[:, None, :].expand(-1, H, -1)] == 0).all()
+    assert rel_rms(Ai, want) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
 def grads_per_choice(monkeypatch, op, x, cu):
