@@ -139,8 +139,6 @@ def test_wy_inverse_kept_in_the_inputs_dtype(monkeypatch, gated, dtype):
     from ttr.kernels.common.index import prepare_chunks
     from ttr.kernels.common.wy import wy_fwd
 
-    if dtype != torch.float32 and DEVICE == "cpu":
-        pytest.skip("needs a CUDA GPU")
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -164,7 +162,9 @@ def test_wy_inverse_kept_in_the_inputs_dtype(monkeypatch, gated, dtype):
     rows = torch.cat([torch.arange(e - s) % 64 for s, e in zip(cu_list[:-1], cu_list[1:])])  # row in its chunk
     upper = torch.arange(64)[None, :] > rows[:, None]
     assert (Ai[upper[:, None, :].expand(-1, H, -1)] == 0).all()
-    assert rel_rms(Ai, want) < (1e-5 if dtype == torch.float32 else 5e-3)
+    # exact fp32 under the interpreter; a GPU forms A by tf32 products in fp32 and rounds the
+    # kept inverse in bf16
+    assert rel_rms(Ai, want) < (1e-5 if DEVICE == "cpu" else 5e-3)
 
 
 def grads_per_choice(monkeypatch, op, x, cu):
