@@ -71,9 +71,14 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
         "state_bwd": backward_walk,
         "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
         "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
+        # the backward's walk that forms the states again from the kept v_new (without w)
+        "state_fwd_again": lambda: state_fwd(k, vn, plan, g=gc),
     }
     if gated:
         calls["cumsum"] = lambda: chunk_local_cumsum(g, plan)
+    else:
+        # the dq/dk stage that walks the chunks and forms those states itself (``output.dqk_walks``)
+        calls["output_bwd_dqk_walk"] = lambda: output_bwd_dqk(q, k, vn, None, dh, do, plan, scale=scale, dv=dv2)
     return calls
 
 

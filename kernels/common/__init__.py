@@ -42,9 +42,11 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of
   ``v_new`` (``(q k^T ⊙ causal ⊙ Γ)^T do * scale``).
-- ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None)
+- ``output.output_bwd_dqk(q, k, v_new, h, dh, do, plan, *, scale, g=None, dv=None, h0=None)
   -> (dq, dk, dw, dg)``: dq and dk in q's dtype (dk completed by ``wy_bwd`` for delta rules),
-  dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32).
+  dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32). With
+  ``h=None`` (no gate; ``output.dqk_walks`` says when) it walks the chunks and forms the states
+  from ``h0`` as it goes.
 - ``tile.tile(base, r0, c0, n_r, n_c, s_r, s_c, BR, BC) -> (pointers, mask)``: pointer tiles
   (Triton 3.9 removed block pointers).
 - ``overlap.beside(fn, device) -> join``: ``fn``'s launches on a second CUDA stream after the work

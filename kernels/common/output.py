@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, sm_count, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
 
@@ -114,8 +114,6 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
-    o_i = tl.arange(0, BT)
-    m_t = i_c * BT + o_i < T
     p_hb = h + (i_t.to(tl.int64) * H + i_h) * K * V
     p_dhb = dh + (i_t.to(tl.int64) * H + i_h) * K * V
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)
@@ -141,10 +139,28 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
             p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
             b_dv = tl.load(p_dv, mask=m_dv, other=0.)
             b_dw += tl.dot(b_dv.to(b_h.dtype), b_h)
+    b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
+    _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale, TT,
+               H, K, BT, BK, USE_G, USE_W)
+
+
+@triton.jit
+def _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr):
     p_q, m_q = tile(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
     p_k, m_k = tile(qk_rows(k, bos, i_h, H, HK, K), i_c * BT, i_k * BK, T, K, HK * K, 1, BT, BK)
-    b_q = tl.load(p_q, mask=m_q, other=0.)
-    b_k = tl.load(p_k, mask=m_k, other=0.)
+    return tl.load(p_q, mask=m_q, other=0.), tl.load(p_k, mask=m_k, other=0.)
+
+
+@triton.jit
+def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale, TT,
+               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
+               USE_W: tl.constexpr):
+    """One chunk's dq, dk (and dw, dg) of key block ``i_k`` from the products over the values,
+    ``b_dqs = do h^T``, ``b_dksT = dh v^T``, ``b_dw = dv h^T``, ``b_dS = do v^T`` (fp32), and the
+    chunk's q and k tiles (``output_bwd_dqk``'s and its walk's)."""
+    o_i = tl.arange(0, BT)
+    m_t = i_c * BT + o_i < T
     m_A = o_i[:, None] >= o_i[None, :]
     b_dqs *= scale
     if USE_G:
@@ -176,6 +192,45 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
         tl.store(dg + i_k * TT * H + (bos + i_c * BT + o_i) * H + i_h, b_dg, mask=m_t)
 
 
+@triton.jit
+def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, chunk_offsets, scale, TT,
+                               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr):
+    # One program per (sequence, head, key block) walks the chunks in order and holds the block's
+    # state transposed, ``h^T [V, BK]`` in fp32, from which each chunk's products read it (rounded
+    # to the inputs' dtype, as a stored h would be) before the ungated update ``h += k^T v``: the
+    # stage needs no stored states. ``v`` is v_new as the forward stored it, so the update repeats
+    # the forward's products on the same operands. The whole value row is one tile (BV >= V).
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    b_hT = tl.zeros([BV, BK], dtype=tl.float32)
+    if USE_H0:
+        p_h0, m_h0 = tile(h0 + i_nh.to(tl.int64) * K * V, 0, i_k * BK, V, K, 1, V, BV, BK)
+        b_hT += tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_c in range(tl.cdiv(T, BT)):
+        p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)
+        p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)
+        p_dv, m_dv = tile(dv + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)
+        p_dh, m_dh = tile(dh + ((boh + i_c) * H + i_h) * K * V, 0, i_k * BK, V, K, 1, V, BV, BK)
+        b_v = tl.load(p_v, mask=m_v, other=0.)  # [BT, BV]
+        b_do = tl.load(p_do, mask=m_do, other=0.)  # [BT, BV]
+        b_dv = tl.load(p_dv, mask=m_dv, other=0.)  # [BT, BV]
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)  # [BV, BK]
+        b_h = b_hT.to(b_do.dtype)
+        b_dqs = tl.dot(b_do, b_h)
+        b_dksT = tl.dot(tl.trans(b_dh).to(b_v.dtype), tl.trans(b_v))
+        b_dS = tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
+        b_dw = tl.dot(b_dv.to(b_h.dtype), b_h)
+        b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
+        _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T, scale,
+                   TT, H, K, BT, BK, False, True)
+        b_hT += tl.dot(tl.trans(b_v), b_k)
+
+
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, plan: ChunkPlan, *,
                scale: float, g: torch.Tensor | None = None) -> torch.Tensor:
     """``o [B, T, H, V]``; q and k may have ``HK < H`` heads, each shared by ``H / HK`` heads of v."""
@@ -205,17 +260,39 @@ def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: Chun
     return dv
 
 
-def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+def dqk_walks(plan: ChunkPlan, heads: int, K: int, V: int, device: torch.device, gated: bool) -> bool:
+    """Whether the delta rule's backward, given the v_new its forward kept, leaves the states to
+    ``output_bwd_dqk``'s walk (``h=None``) rather than forming them by a walk of their own for the
+    chunk-parallel stage to read back: without a gate, at most 128 values, and where one program
+    per (sequence, head, key block of 64) fills the GPU. The walk holds each state in registers, so
+    ``h`` is neither written nor read (twice the size of k in bytes, each way, at V = 128), and
+    the k and v_new tiles its update needs are the ones the stage loads anyway; with few
+    programs its chunks in turn would take longer than the parallel stage (docs/benchmarks.md).
+    ``TUNING["output_bwd_dqk_walk"]["walk"]`` overrides."""
+    programs = plan.num_seqs * heads * cdiv(K, 64)
+    fits = not gated and V <= 128 and programs >= 0.9 * sm_count(device)
+    return not gated and bool(tuned("output_bwd_dqk_walk", walk=fits)["walk"])
+
+
+def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None, dh: torch.Tensor,
                    do: torch.Tensor, plan: ChunkPlan, *, scale: float, g: torch.Tensor | None = None,
-                   dv: torch.Tensor | None = None):
+                   dv: torch.Tensor | None = None, h0: torch.Tensor | None = None):
     """Returns ``(dq, dk, dw or None, dg fp32 in cumulative-gate space or None)``, dq and dk in q's
     dtype. The delta rules' WY backward adds its part to this dk: handing it on in bf16 rather than
     fp32 rounds it once more (as fla's delta rules do) and timed faster for the two stages on an
     H200, a quarter of their traffic (docs/benchmarks.md, launch choices). With q/k of
     ``HK < H`` heads (groups) dq and dk are per value head, ``[B, T, H, K]``: the caller sums each
-    group."""
+    group.
+
+    ``h=None`` (the delta rule without a gate, ``v`` its kept v_new, ``dv`` given; ``dqk_walks``):
+    the stage walks each sequence's chunks and forms the states from ``h0`` (the initial state, or
+    zeros) by the forward's update ``h += k^T v_new``."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
+    if h is None:
+        if g is not None or dv is None or V > 128:
+            raise ValueError("output_bwd_dqk: h=None (the walk) takes no gate, needs dv and at most 128 values")
+        return _dqk_walk(q, k, v, dh, do, dv, h0, plan, scale=scale)
     BK, BV = block_size(K, 64), block_size(V, 64)
     if K <= 128 and g is None:
         # without a gate (DeltaNet): one program per chunk over all of K, so dS is formed once, not once per K
@@ -237,3 +314,19 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     if dg is not None:
         dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg
+
+
+def _dqk_walk(q, k, v, dh, do, dv, h0, plan: ChunkPlan, *, scale: float):
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
+    # the whole value row in one tile; 8 warps hold the state's [V, 64] fp32 block (32 registers
+    # a thread at V = 128) beside the stage's four product tiles; two stages of the chunk's five
+    # 16-bit tiles take 160 KB of shared memory at K = V = 128 (one stage in fp32)
+    cfg = tuned("output_bwd_dqk_walk", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=8,
+                num_stages=1 if q.element_size() == 4 else 2)
+    cfg.pop("walk", None)
+    dq, dk, dw = (q.new_empty(B, T, H, K) for _ in range(3))
+    output_bwd_dqk_walk_kernel[(cdiv(K, cfg["BK"]), plan.num_seqs * H)](
+        q, k, v, dh, do, dv, h0, dq, dk, dw, plan.cu_seqlens, plan.chunk_offsets, scale, B * T, H=H, HK=HK, K=K,
+        V=V, BT=plan.chunk_size, USE_H0=h0 is not None, **cfg)
+    return dq, dk, dw, None

@@ -14,7 +14,9 @@ size of k and v. When the sequences average at least ``index.KEEP_STATES_MIN_CHU
 with ``keep``) the forward keeps all three. Otherwise, by default, it keeps w and v_new and the
 backward walks the chunks again without w: with v_new given, the state update needs neither the
 WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
-reads v_new as stored, so both walks form the states from the same operands). ``recompute`` keeps none of them: the
+reads v_new as stored, so both walks form the states from the same operands). Without a gate,
+where the grid is full (``output.dqk_walks``), that walk is the dq/dk stage itself: it forms each
+state in registers as it goes, so h is never stored. ``recompute`` keeps none of them: the
 backward forms w and u again from the kept inverse and runs the full state pass, the least memory.
 """
 
@@ -24,7 +26,7 @@ import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks
-from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+from ttr.kernels.common.output import dqk_walks, output_bwd_dqk, output_bwd_dv, output_fwd
 from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
@@ -64,7 +66,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             w, h, v_new = kept
         elif kept:
             w, v_new = kept
-            h = state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
+            walk = dqk_walks(plan, q.shape[2], k.shape[3], v.shape[3], q.device, gated=g_cum is not None)
+            h = None if walk else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
@@ -72,7 +75,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dv = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
         dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None,
                                 intra_dv=intra)
-        dq, dk, dw, dg = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, g=g_cum, dv=dv)
+        dq, dk, dw, dg = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, g=g_cum, dv=dv, h0=h0)
         dk, dv, dbeta, dg = wy_bwd(k, v, beta, Ai, dw, dv, plan, g=g_cum, dk=dk, dg=dg)
         if dh0 is not None:
             dh0 = dh0.to(h0.dtype)

@@ -128,6 +128,34 @@ def test_scalar_gate_linear_attention_fwd_bwd(B, T, cu):
         assert rel(got, x[name].grad) < 1e-4, name
 
 
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("K,V", [(20, 24), (136, 128)])
+@pytest.mark.parametrize("initial", [True, False], ids=["h0", "zeros"])
+def test_dqk_walk_forms_the_states_it_reads(B, T, cu, K, V, initial):
+    """The delta rule's dq/dk stage walking the chunks (``h=None``, no gate) forms each state from
+    the initial one by ``h += k^T v_new`` as it goes: the same dq, dk and dw as the chunk-parallel
+    stage reading the states a walk stored (fp32 products summed in another order, so to fp32's
+    rounding). Packed sequences with a one-token document and partial chunks; K = 136 takes three
+    key blocks, V = 128 the widest value row the walk holds."""
+    H, scale = 2, 0.4
+    N = B if cu is None else len(cu) - 1
+    q, k, v_new = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
+    do, dv = torch.randn(B, T, H, V), torch.randn(B, T, H, V)
+    h0 = torch.randn(N, H, K, V) if initial else None
+    plan = prepare_chunks(torch.tensor(cu, dtype=torch.int32) if cu else None, B, T)
+    h = state_fwd(k, v_new, plan, initial_state=h0)[0]
+    dh = torch.randn_like(h)
+    want = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, dv=dv)
+    got = output_bwd_dqk(q, k, v_new, None, dh, do, plan, scale=scale, dv=dv, h0=h0)
+    assert got[3] is None
+    for name, a, b in zip(("dq", "dk", "dw"), got, want):
+        assert rel(a, b) < 1e-6, name
+    with pytest.raises(ValueError, match="h=None"):
+        output_bwd_dqk(q, k, v_new, None, dh, do, plan, scale=scale, dv=dv, g=torch.zeros(B, T, H))
+    with pytest.raises(ValueError, match="h=None"):
+        output_bwd_dqk(q, k, v_new, None, dh, do, plan, scale=scale)
+
+
 @pytest.mark.parametrize("B,T,cu,K", [(2, 65, None, 20), (1, 130, [0, 1, 64, 130], 20), (1, 70, None, 136)])
 def test_vector_gate_state_pass_fwd_bwd(B, T, cu, K):
     """GLA's state stage: per-key decay, no WY correction, forward states and the reverse pass
