@@ -320,7 +320,7 @@ def _dqk_walk(q, k, v, dh, do, dv, h0, plan: ChunkPlan, *, scale: float):
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     # the whole value row in one tile; 8 warps hold the state's [V, 64] fp32 block (32 registers
-    # a thread at V = 128) beside the stage's four product tiles; two stages of the chunk's five
+    # a thread at V = 128) beside the stage's four product tiles; two stages of the chunk's six
     # 16-bit tiles take 160 KB of shared memory at K = V = 128 (one stage in fp32)
     cfg = tuned("output_bwd_dqk_walk", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=8,
                 num_stages=1 if q.element_size() == 4 else 2)
