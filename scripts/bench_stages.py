@@ -35,12 +35,15 @@ def _stage_inputs(make_inputs, B: int, T: int, device, shape: Shape | None = Non
 
 
 def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
-    """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs."""
+    """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs; the
+    total counts the stages the op runs at this shape under ``TTR_CHUNK_STATES`` auto or keep
+    (``recompute``'s backward forms w, u and the states with w again, which no closure times)."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states
-    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.output import dqk_walks, output_bwd_dqk, output_bwd_dv, output_fwd
     from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
+    from ttr.scripts.bench_utils import Stages
 
     def forward_walk():
         # as the op runs it: the walk forms the output (writing the states only where the op keeps
@@ -64,7 +67,7 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
     dh, _, dv2 = backward_walk()
     dq, dk, dw, dg = output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2)
-    calls = {
+    calls = Stages({
         "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
         "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
         "state_fwd": forward_walk,
@@ -73,12 +76,19 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
         "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
         # the backward's walk that forms the states again from the kept v_new (without w)
         "state_fwd_again": lambda: state_fwd(k, vn, plan, g=gc),
-    }
+    })
     if gated:
         calls["cumsum"] = lambda: chunk_local_cumsum(g, plan)
     else:
         # the dq/dk stage that walks the chunks and forms those states itself (``output.dqk_walks``)
         calls["output_bwd_dqk_walk"] = lambda: output_bwd_dqk(q, k, vn, None, dh, do, plan, scale=scale, dv=dv2)
+    if keep_states(plan):
+        off = {"state_fwd_again", "output_bwd_dqk_walk"}
+    elif dqk_walks(plan, q.shape[2], q.shape[3], v.shape[3], q.device, gated):
+        off = {"state_fwd_again", "output_bwd_dqk"}
+    else:
+        off = {"output_bwd_dqk_walk"}
+    calls.off_path = frozenset(off | {"wy_fwd_reuse"}) & set(calls)
     return calls
 
 

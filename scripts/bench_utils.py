@@ -211,12 +211,20 @@ def describe_environment(env: dict) -> str:
             f"fla {fla or 'not installed'}, ttr {env['ttr']}")
 
 
+class Stages(dict):
+    """Stage closures by name, as ``time_stages`` takes them, with ``off_path``: the names timed beside
+    the op's own stages that the op does not run at this shape (an alternative to one of them), left
+    out of the printed total."""
+
+    off_path: frozenset = frozenset()
+
+
 def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5,
                 aliases: dict | None = None) -> list[str]:
     """Median ms of every stage closure in ``calls`` and, with ``sweep`` (stage -> list of launch
     overrides for ``index.TUNING``), of each alternative, fastest first. A swept tuning name that is
-    not a call of its own is timed through the call ``aliases`` names for it. Prints and returns the
-    lines."""
+    not a call of its own is timed through the call ``aliases`` names for it. The total leaves out
+    the ``off_path`` names of a ``Stages``. Prints and returns the lines."""
     import sys
 
     from triton.testing import do_bench
@@ -227,8 +235,10 @@ def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5
         return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
     times = {n: bench(fn) for n, fn in calls.items()}
+    off = [n for n in times if n in getattr(calls, "off_path", ())]
+    total = sum(t for n, t in times.items() if n not in off)
     lines = [f"stages {label}: " + ", ".join(f"{n} {t:.3f}" for n, t in times.items())
-             + f"; total {sum(times.values()):.3f}"]
+             + f"; total {total:.3f}" + (f" (without {', '.join(off)})" if off else "")]
     print(lines[-1], flush=True)
     for stage, options in (sweep or {}).items():
         call = stage if stage in calls else (aliases or {})[stage]

@@ -308,6 +308,26 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
             assert swept <= set(calls), swept - set(calls)
             for fn in calls.values():
                 fn()
+    # the totals leave out the stages the op does not run at this shape: here (80 tokens, the
+    # interpreter's one "SM") DeltaNet's dq/dk stage walks, Gated DeltaNet's walks the states again
+    assert bench_stages.delta_stage_calls(1, 80, False, torch.device("cpu")).off_path == {
+        "wy_fwd_reuse", "state_fwd_again", "output_bwd_dqk"}
+    assert bench_stages.delta_stage_calls(1, 80, True, torch.device("cpu")).off_path == {"wy_fwd_reuse"}
+
+
+def test_stage_total_leaves_out_the_stages_off_the_ops_path(monkeypatch, capsys):
+    """``time_stages`` sums the stages the op runs; a ``Stages``' off_path ones are listed, not summed."""
+    import triton.testing
+
+    from ttr.scripts.bench_utils import Stages, time_stages
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn())
+    calls = Stages(a=lambda: 1.0, b=lambda: 10.0, c=lambda: 2.0)
+    calls.off_path = frozenset({"b"})
+    (line,) = time_stages(calls, "op 1x64")
+    assert line == "stages op 1x64: a 1.000, b 10.000, c 2.000; total 3.000 (without b)"
+    assert time_stages({"a": lambda: 1.0, "b": lambda: 10.0}, "plain")[0].endswith("; total 11.000")
+    capsys.readouterr()
 
 
 def test_fla_guard_note(monkeypatch):
