@@ -36,13 +36,14 @@ def _stage_inputs(make_inputs, B: int, T: int, device, shape: Shape | None = Non
 
 def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable]:
     """One closure per stage of the (gated) delta rule's forward and backward, on bf16 inputs; the
-    total counts the stages the op runs at this shape under ``TTR_CHUNK_STATES`` auto or keep
-    (``recompute``'s backward forms w, u and the states with w again, which no closure times)."""
+    total counts the stages the op runs at this shape (under ``TTR_CHUNK_STATES=recompute`` its
+    backward also runs the state pass with w, which no closure times)."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states
-    from ttr.kernels.common.output import dqk_walks, output_bwd_dqk, output_bwd_dv, output_fwd
+    from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
     from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
+    from ttr.kernels.delta.chunk import backward_states
     from ttr.scripts.bench_utils import Stages
 
     def forward_walk():
@@ -82,13 +83,13 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     else:
         # the dq/dk stage that walks the chunks and forms those states itself (``output.dqk_walks``)
         calls["output_bwd_dqk_walk"] = lambda: output_bwd_dqk(q, k, vn, None, dh, do, plan, scale=scale, dv=dv2)
-    if keep_states(plan):
-        off = {"state_fwd_again", "output_bwd_dqk_walk"}
-    elif dqk_walks(plan, q.shape[2], q.shape[3], v.shape[3], q.device, gated):
-        off = {"state_fwd_again", "output_bwd_dqk"}
-    else:
-        off = {"output_bwd_dqk_walk"}
-    calls.off_path = frozenset(off | {"wy_fwd_reuse"}) & set(calls)
+    # the alternatives the op does not take at this shape (``delta.chunk.backward_states``)
+    off = {"kept": {"wy_fwd_reuse", "state_fwd_again", "output_bwd_dqk_walk"},
+           "dqk_walk": {"wy_fwd_reuse", "state_fwd_again", "output_bwd_dqk"},
+           "walk": {"wy_fwd_reuse", "output_bwd_dqk_walk"},
+           "recompute": {"state_fwd_again", "output_bwd_dqk_walk"}}
+    calls.off_path = frozenset(off[backward_states(plan, q.shape[2], q.shape[3], v.shape[3], q.device, gated)]
+                               & set(calls))
     return calls
 
 

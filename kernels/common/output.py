@@ -210,7 +210,6 @@ def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, 
     if USE_H0:
         p_h0, m_h0 = tile(h0 + i_nh.to(tl.int64) * K * V, 0, i_k * BK, V, K, 1, V, BV, BK)
         b_hT += tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_c in range(tl.cdiv(T, BT)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)
         p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)
@@ -226,7 +225,8 @@ def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, 
         b_dS = tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
         b_dw = tl.dot(b_dv.to(b_h.dtype), b_h)
         b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
-        _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T, scale,
+        # no gate: the gate, its state term and dg are not read
+        _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, None, b_q, b_k, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T, scale,
                    TT, H, K, BT, BK, False, True)
         b_hT += tl.dot(tl.trans(b_v), b_k)
 
@@ -269,9 +269,10 @@ def dqk_walks(plan: ChunkPlan, heads: int, K: int, V: int, device: torch.device,
     the k and v_new tiles its update needs are the ones the stage loads anyway; with few
     programs its chunks in turn would take longer than the parallel stage (docs/benchmarks.md).
     ``TUNING["output_bwd_dqk_walk"]["walk"]`` overrides."""
-    programs = plan.num_seqs * heads * cdiv(K, 64)
-    fits = not gated and V <= 128 and programs >= 0.9 * sm_count(device)
-    return not gated and bool(tuned("output_bwd_dqk_walk", walk=fits)["walk"])
+    if gated or V > 128:
+        return False
+    full = plan.num_seqs * heads * cdiv(K, 64) >= 0.9 * sm_count(device)
+    return bool(tuned("output_bwd_dqk_walk", walk=full)["walk"])
 
 
 def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | None, dh: torch.Tensor,

@@ -16,7 +16,7 @@ backward walks the chunks again without w: with v_new given, the state update ne
 WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
 reads v_new as stored, so both walks form the states from the same operands). Without a gate,
 where the grid is full (``output.dqk_walks``), that walk is the dq/dk stage itself: it forms each
-state in registers as it goes, so h is never stored. ``recompute`` keeps none of them: the
+state in registers as it goes, so h is never stored. ``backward_states`` names the four ways. ``recompute`` keeps none of them: the
 backward forms w and u again from the kept inverse and runs the full state pass, the least memory.
 """
 
@@ -31,6 +31,17 @@ from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_f
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
 
+def backward_states(plan, heads: int, K: int, V: int, device: torch.device, gated: bool) -> str:
+    """How the op's backward has the chunk states (the module docstring): "kept" (the forward keeps
+    w, h and v_new), "dqk_walk" (it keeps w and v_new, and the dq/dk stage forms h as it walks),
+    "walk" (it keeps w and v_new, and a walk without w forms h again) or "recompute" (nothing kept)."""
+    if keep_states(plan):
+        return "kept"
+    if chunk_states() == "recompute":
+        return "recompute"
+    return "dqk_walk" if dqk_walks(plan, heads, K, V, device, gated) else "walk"
+
+
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     """``(o, final_state)`` of validated inputs (``ttr.kernels.delta``): the stages above."""
 
@@ -43,7 +54,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
         w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
-        keep_h = keep_states(plan)
+        states = backward_states(plan, q.shape[2], k.shape[3], v.shape[3], q.device, gated=g is not None)
+        keep_h = states == "kept"
         if walk_forms_output(gated=g is not None):
             h, v_new, ht, o = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                         output_final_state=output_final_state, q=q, scale=scale, keep_h=keep_h)
@@ -51,9 +63,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                      output_final_state=output_final_state)
             o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
-        kept = (w, h, v_new) if keep_h else (w, v_new) if chunk_states() == "auto" else ()
+        kept = (w, h, v_new) if keep_h else () if states == "recompute" else (w, v_new)
         ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *kept)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.states = plan, scale, states
         return o, ht
 
     @staticmethod
@@ -62,12 +74,11 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        if len(kept) == 3:
+        if ctx.states == "kept":
             w, h, v_new = kept
         elif kept:
             w, v_new = kept
-            walk = dqk_walks(plan, q.shape[2], k.shape[3], v.shape[3], q.device, gated=g_cum is not None)
-            h = None if walk else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
+            h = None if ctx.states == "dqk_walk" else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
