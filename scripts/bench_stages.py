@@ -238,7 +238,13 @@ SWEEPS = {
                        for ns in (2, 3, 4)],
         "output_bwd_dv": [dict(num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (1, 2, 3, 4)],
     },
-    "delta": DELTA_SWEEP,
+    "delta": {
+        **DELTA_SWEEP,
+        # the dq/dk walk on 8 warps, on one stage (two programs per SM), or over the whole key row (one
+        # program per sequence and head: half the programs, each step reading v_new, do and dv once)
+        "output_bwd_dqk_walk": [dict(BK=64, num_warps=nw, num_stages=ns) for nw, ns in ((8, 2), (4, 1))]
+        + [dict(BK=128, num_warps=8, num_stages=1)],
+    },
     "gla": {
         "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
                                for ns in (1, 2, 3)],

@@ -153,6 +153,13 @@ def _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H: tl.constexpr, HK: tl.constexpr, K:
 
 
 @triton.jit
+def _store_dw(dw, b_dw, bos, i_c, i_k, i_h, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    # the WY backward takes dw with the sign of ``v_new = u - w h``
+    p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+    tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), mask=m_dw)
+
+
+@triton.jit
 def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale, TT,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
                USE_W: tl.constexpr):
@@ -181,8 +188,7 @@ def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, dq, dk, dw, dg, bo
     tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_dq)
     tl.store(p_dkT, b_dkT.to(p_dkT.dtype.element_ty), mask=m_dkT)
     if USE_W:
-        p_dw, m_dw = tile(dw + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
-        tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), mask=m_dw)
+        _store_dw(dw, b_dw, bos, i_c, i_k, i_h, T, H, K, BT, BK)
     if USE_G:
         # sum_j P_ij = q_i . (dS k)_i and sum_j P_ji = k_i . (dS^T q)_i, so with the state parts
         # dG_i = q_i . dq_i - k_i . dk_i (+ the last row's terms): no q k^T product needed
@@ -220,14 +226,16 @@ def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, 
         b_dv = tl.load(p_dv, mask=m_dv, other=0.)  # [BT, BV]
         b_dh = tl.load(p_dh, mask=m_dh, other=0.)  # [BV, BK]
         b_h = b_hT.to(b_do.dtype)
+        # dw first, stored before the other products are formed: its accumulator is then not live
+        # beside theirs, which is what lets the walk run on one warpgroup without spilling
+        _store_dw(dw, tl.dot(b_dv.to(b_h.dtype), b_h), bos, i_c, i_k, i_h, T, H, K, BT, BK)
         b_dqs = tl.dot(b_do, b_h)
         b_dksT = tl.dot(tl.trans(b_dh).to(b_v.dtype), tl.trans(b_v))
         b_dS = tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
-        b_dw = tl.dot(b_dv.to(b_h.dtype), b_h)
         b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
         # no gate: the gate, its state term and dg are not read
-        _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, None, b_q, b_k, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T, scale,
-                   TT, H, K, BT, BK, False, True)
+        _dqk_chunk(b_dqs, b_dksT, None, b_dS, None, b_q, b_k, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T, scale,
+                   TT, H, K, BT, BK, False, False)
         b_hT += tl.dot(tl.trans(b_v), b_k)
 
 
@@ -320,11 +328,14 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
 def _dqk_walk(q, k, v, dh, do, dv, h0, plan: ChunkPlan, *, scale: float):
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
-    # the whole value row in one tile; 8 warps hold the state's [V, 64] fp32 block (32 registers
-    # a thread at V = 128) beside the stage's four product tiles; two stages of the chunk's six
-    # 16-bit tiles take 160 KB of shared memory at K = V = 128 (one stage in fp32)
-    cfg = tuned("output_bwd_dqk_walk", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=8,
-                num_stages=1 if q.element_size() == 4 else 2)
+    # the whole value row in one tile. 16-bit inputs: one warpgroup holds the state's [V, 64] fp32
+    # block (64 registers a thread at V = 128) beside the products, within 255 registers because the
+    # kernel stores dw before it forms the other three (docs/benchmarks.md, launch choices); two
+    # stages of the chunk's six tiles take 184 KB of shared memory at K = V = 128. fp32 inputs spill
+    # on one warpgroup and take 8 warps and one stage
+    wide = q.element_size() == 4
+    cfg = tuned("output_bwd_dqk_walk", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=8 if wide else 4,
+                num_stages=1 if wide else 2)
     cfg.pop("walk", None)
     dq, dk, dw = (q.new_empty(B, T, H, K) for _ in range(3))
     output_bwd_dqk_walk_kernel[(cdiv(K, cfg["BK"]), plan.num_seqs * H)](
