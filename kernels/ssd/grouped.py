@@ -217,7 +217,10 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     last = tl.minimum((i_c + 1) * BT, T) - 1
     b_ydo = tl.zeros([BT], dtype=tl.float32)
     b_hdh = 0.
-    for i_k in range(NK):
+    # the N blocks' terms and the state's share of dv below in unrolled loops: at N = 128 (two blocks
+    # of terms) the kernel then fits the cap of 168 registers without the stack it spilled to as
+    # loops, and timed faster (docs/benchmarks.md, launch choices)
+    for i_k in tl.static_range(NK):
         b_ydo += tl.load(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         b_hdh += tl.load(hdh + (i_k * NT + i_t) * H + i_h)
     b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
@@ -234,9 +237,9 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     # accumulator is not live next to theirs: the kernel then does not spill, and timed faster at
     # Mamba2-1.3B's shape and at N = 64 in 8 groups on an H200 (docs/benchmarks.md)
     b_dv = tl.zeros([BT, BP], dtype=tl.float32)
-    for i_k in range(tl.cdiv(N, BK)):
-        p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
-        p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, i_k * BK, 0, N, P, P, 1, BK, BP)
+    for k0 in tl.static_range(0, N, BK):
+        p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, k0, T, N, G * N, 1, BT, BK)
+        p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, k0, 0, N, P, P, 1, BK, BP)
         b_dv += tl.dot(tl.load(p_b, mask=m_b, other=0.), tl.load(p_dh, mask=m_dh, other=0.))
     b_dv *= fast_exp(b_gl - b_g)[:, None]
     b_vdv = b_dt * tl.sum(b_x.to(tl.float32) * b_dv, 1)
@@ -341,7 +344,7 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     # It compiled to 212 (N = 64) - 225 (N = 128) registers, two programs per SM; capped at 168
     # (three) it timed faster at N = 64 in 8 groups and at N = 128 (8 x 2048 and 1 x 16384 alike);
     # at 128 it spills and timed slower (docs/benchmarks.md, launch choices). With the approximate
-    # exp it compiles to 165 (N = 64: the cap no longer binds, and lifting it times the same) and 191
+    # exp it compiles to 165 (N = 64: the cap no longer binds, and lifting it times the same) and 176
     # (N = 128, where the cap still pays) registers without the cap
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168)
     rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
