@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", nargs="?", const="all", default=None, metavar="STAGES",
                         help="with --stages: also time launch alternatives (of every stage, or of the "
                              "comma-separated STAGES only)")
+    parser.add_argument("--sweep-top", type=int, default=5, metavar="N",
+                        help="with --sweep: list the N fastest alternatives of each stage (0: all of them)")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
     args = parser.parse_args(argv)
     allowed = list(STAGE_CALLS) if args.stages else names
@@ -641,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seqlens and --tokens must be positive")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.sweep_top < 0:
+        parser.error(f"--sweep-top must be 0 (all) or more, got {args.sweep_top}")
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
     if not todo and not args.stages:
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
@@ -666,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     data = None
     if args.stages:
         table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
-                               sweep)
+                               sweep, top=args.sweep_top)
     elif args.profile:
         table = profile(todo)
     else:

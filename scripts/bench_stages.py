@@ -323,9 +323,9 @@ def sweep_stages(parser, value: str | None, ops: list[str]) -> set[str] | None:
     return names
 
 
-def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str] | None) -> str:
+def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str] | None, top: int = 5) -> str:
     """Median ms per stage at the heuristic launch parameters, and per alternative of the ``sweep``
-    stages (``SWEEPS``)."""
+    stages (``SWEEPS``): the ``top`` fastest, or all with ``top=0``."""
     from ttr.scripts.bench_utils import time_stages
 
     device = torch.device("cuda")
@@ -336,5 +336,5 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str
             for B, T in shapes:
                 calls = STAGE_CALLS[name](B, T, device, *([shape] if shape else []))
                 label = f"{name} {shape.label() + ' ' if shape else ''}{B}x{T}"
-                out += time_stages(calls, label, alternatives, aliases=SWEEP_ALIASES)
+                out += time_stages(calls, label, alternatives, top=top, aliases=SWEEP_ALIASES)
     return "\n".join(out)

@@ -222,9 +222,10 @@ class Stages(dict):
 def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5,
                 aliases: dict | None = None) -> list[str]:
     """Median ms of every stage closure in ``calls`` and, with ``sweep`` (stage -> list of launch
-    overrides for ``index.TUNING``), of each alternative, fastest first. A swept tuning name that is
-    not a call of its own is timed through the call ``aliases`` names for it. The total leaves out
-    the ``off_path`` names of a ``Stages``. Prints and returns the lines."""
+    overrides for ``index.TUNING``), of each alternative, fastest first: the ``top`` fastest, or every
+    one with ``top=0``. A swept tuning name that is not a call of its own is timed through the call
+    ``aliases`` names for it. The total leaves out the ``off_path`` names of a ``Stages``. Prints and
+    returns the lines."""
     import sys
 
     from triton.testing import do_bench
@@ -253,7 +254,7 @@ def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5
                 TUNING.pop(stage, None)
         results.sort(key=lambda r: r[0])
         lines.append(f"  sweep {stage} {label}: default {times[call]:.3f}; "
-                     + "; ".join(f"{t:.3f} {c}" for t, c in results[:top]))
+                     + "; ".join(f"{t:.3f} {c}" for t, c in (results[:top] if top else results)))
         print(lines[-1], flush=True)
     return lines
 

@@ -89,6 +89,7 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
              (["--presets", "gla-7b"], "--presets: unknown"), (["--seqlens", "4k"], "--seqlens"),
              (["--shapes", "odd"], "--shapes"), (["--ops", "simple_gla"], "no preset runs"),
              (["--stages", "--ops", "ssd", "--sweep", "wy_fwd"], "--sweep: unknown stages ['wy_fwd']"),
+             (["--stages", "--ops", "ssd", "--sweep", "--sweep-top", "-1"], "--sweep-top must be 0"),
              (["--stages", "--ops", "gla", "--device", "cpu"], "--stages times CUDA kernels"),
              (["--profile", "--device", "cpu"], "--profile times CUDA kernels")]
     for argv, message in cases:
@@ -327,6 +328,24 @@ def test_stage_total_leaves_out_the_stages_off_the_ops_path(monkeypatch):
     (line,) = time_stages(calls, "op 1x64")
     assert line == "stages op 1x64: a 1.000, b 10.000, c 2.000; total 3.000 (without b)"
     assert time_stages({"a": lambda: 1.0, "b": lambda: 10.0}, "plain")[0].endswith("; total 11.000")
+
+
+def test_stage_sweep_lists_the_fastest_or_all(monkeypatch):
+    """A sweep's line lists its alternatives fastest first, the five fastest by default and every one
+    with ``top=0`` (``ttr bench --stages --sweep-top``)."""
+    import triton.testing
+
+    from ttr.kernels.common.index import TUNING
+    from ttr.scripts.bench_utils import time_stages
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn())
+    calls = {"s": lambda: TUNING.get("s", {}).get("x", 0.5)}
+    sweep = {"s": [dict(x=x) for x in (3.0, 1.0, 6.0, 2.0, 5.0, 4.0)]}
+    five = time_stages(calls, "op", sweep)[1]
+    assert five == ("  sweep s op: default 0.500; 1.000 {'x': 1.0}; 2.000 {'x': 2.0}; 3.000 {'x': 3.0}; "
+                    "4.000 {'x': 4.0}; 5.000 {'x': 5.0}")
+    assert time_stages(calls, "op", sweep, top=0)[1] == five + "; 6.000 {'x': 6.0}"
+    assert "s" not in TUNING
 
 
 def test_fla_guard_note(monkeypatch):
