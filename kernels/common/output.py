@@ -330,7 +330,7 @@ def _dqk_walk(q, k, v, dh, do, dv, h0, plan: ChunkPlan, *, scale: float):
     H, V = v.shape[2:]
     # the whole value row in one tile. 16-bit inputs: one warpgroup holds the state's [V, 64] fp32
     # block (64 registers a thread at V = 128) beside the products, within 255 registers because the
-    # kernel stores dw before it forms the other three (docs/benchmarks.md, launch choices); two
+    # kernel stores dw before it forms the other three (docs/benchmarks.md, the choices table); two
     # stages of the chunk's six tiles take 184 KB of shared memory at K = V = 128. fp32 inputs spill
     # on one warpgroup and take 8 warps and one stage
     wide = q.element_size() == 4

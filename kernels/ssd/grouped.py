@@ -219,7 +219,7 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     b_hdh = 0.
     # the N blocks' terms and the state's share of dv below in unrolled loops: at N = 128 (two blocks
     # of terms) the kernel then fits the cap of 168 registers without the stack it spilled to as
-    # loops, and timed faster (docs/benchmarks.md, launch choices)
+    # loops, and timed faster (docs/benchmarks.md, the choices table)
     for i_k in tl.static_range(NK):
         b_ydo += tl.load(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         b_hdh += tl.load(hdh + (i_k * NT + i_t) * H + i_h)
