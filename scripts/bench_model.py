@@ -45,8 +45,10 @@ for recurrent layers: the state does not grow with the generated length).
 
 ``--chunk-states recompute,auto`` adds the memory-against-time table of the chunk ops' choice
 (``TTR_CHUNK_STATES``): ttr's model of each preset, built once, trained by the plain loop under each
-choice in turn, the choices alternated ``--chunk-states-rounds`` times (2) so that a drift of the GPU
+choice in turn, the choices alternated ``--alternate-rounds`` times (2) so that a drift of the GPU
 falls on all of them; each row gives every round's tokens/s and the choice's peak memory.
+``--tuning '[{}, {"output_bwd_dqk_walk": {"num_warps": 8}}]'`` does the same for launch overrides
+(``index.TUNING``, ``{}`` the built-in defaults), and names any overridden stage that no launch read.
 
 Usage: ``python -m ttr.scripts.bench_model [--presets a,b] [--no-references] [--steps 5]
 [--isolate] [--json OUT.json] [--out OUT.md]``; ``--device cpu`` runs the code paths on a CPU
@@ -56,6 +58,7 @@ Usage: ``python -m ttr.scripts.bench_model [--presets a,b] [--no-references] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -487,49 +490,108 @@ def decode_table(presets: list[str], args, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
-    """The ``--chunk-states`` table (module docstring); each measurement is appended to ``rows``."""
+def alternatives_table(presets: list[str], args, rows: list[dict], key: str, choices: list, apply, title: str) -> str:
+    """ttr's model of each preset built once and trained by the plain loop under each of ``choices``
+    in turn (``apply(choice)`` sets one), the choices alternated ``args.alternate_rounds`` times so
+    that a drift of the GPU falls on all of them; one row per preset and choice (``key``: the
+    choice's label) is appended to ``rows``, with every round's tokens/s, the peak memory and, for
+    a ``TUNING`` choice, the stages it overrides that no launch read (``unread``)."""
+    from ttr.kernels.common.index import reading_stages
+
     device = torch.device(args.device)
-    lines = [f"TTR_CHUNK_STATES choices, ttr's models (plain loop, B={args.batch} T={args.seq_len}), one model per "
-             f"preset, the choices alternated {args.chunk_states_rounds} times", "",
-             "| preset | TTR_CHUNK_STATES | tokens/s, each round | peak GiB |", "|---|---|---|---|"]
-    before = os.environ.get("TTR_CHUNK_STATES")
-    try:
-        for preset in presets:
-            _free()
-            model = build(preset, "ttr", device)
-            found = {c: {"preset": preset, "chunk_states": c, "status": "ok", "tokens_per_s": [], "peak_gib": None}
-                     for c in args.chunk_state_list}
-            for _ in range(args.chunk_states_rounds):
-                for choice, row in found.items():
-                    if row["status"] != "ok":
-                        continue
-                    os.environ["TTR_CHUNK_STATES"] = choice
-                    _free()
-                    try:
+    lines = [f"{title}, ttr's models (plain loop, B={args.batch} T={args.seq_len}), one model per preset, the "
+             f"choices alternated {args.alternate_rounds} times", "",
+             f"| preset | {title} | tokens/s, each round | peak GiB |", "|---|---|---|---|"]
+    label = (lambda c: json.dumps(c, separators=(",", ":"))) if key == "tuning" else str
+    for preset in presets:
+        _free()
+        model = build(preset, "ttr", device)
+        found = [(c, {"preset": preset, key: label(c), "status": "ok", "tokens_per_s": [], "peak_gib": None})
+                 for c in choices]
+        for _ in range(args.alternate_rounds):
+            for choice, row in found:
+                if row["status"] != "ok":
+                    continue
+                _free()
+                try:
+                    with apply(choice), reading_stages() as read:
                         r = plain_loop(model, model.config.vocab_size, args.batch, args.seq_len, args.steps,
                                        args.warmup, device)
-                    except torch.cuda.OutOfMemoryError as e:  # this choice does not fit; the others still run
-                        failed(row, e)
-                        continue
-                    row["tokens_per_s"].append(r["tokens_per_s"])
-                    if device.type == "cuda":
-                        row["peak_gib"] = max(row["peak_gib"] or 0.0, torch.cuda.max_memory_allocated(device) / GIB)
-            for row in found.values():
-                rows.append(row)
-                peak = "" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
-                speeds = " / ".join(f"{t:,.0f}" for t in row["tokens_per_s"])
-                if row["status"] == "oom":
-                    speeds = (speeds + " / " if speeds else "") + "out of memory"
-                lines.append(f"| {preset} | {row['chunk_states']} | {speeds} | {peak} |")
-                print(lines[-1], flush=True)
-            del model
+                except torch.cuda.OutOfMemoryError as e:  # this choice does not fit; the others still run
+                    failed(row, e)
+                    continue
+                if key == "tuning":
+                    row["unread"] = sorted(set(choice) - read)
+                row["tokens_per_s"].append(r["tokens_per_s"])
+                if device.type == "cuda":
+                    row["peak_gib"] = max(row["peak_gib"] or 0.0, torch.cuda.max_memory_allocated(device) / GIB)
+        for _, row in found:
+            rows.append(row)
+            peak = "" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
+            speeds = " / ".join(f"{t:,.0f}" for t in row["tokens_per_s"])
+            if row["status"] == "oom":
+                speeds = (speeds + " / " if speeds else "") + "out of memory"
+            unread = f" (no launch read {', '.join(row['unread'])})" if row.get("unread") else ""
+            lines.append(f"| {preset} | {row[key]}{unread} | {speeds} | {peak} |")
+            print(lines[-1], flush=True)
+        del model
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def chunk_states_set(choice: str):
+    """``TTR_CHUNK_STATES=choice`` inside the block, the variable as it was after it."""
+    before = os.environ.get("TTR_CHUNK_STATES")
+    os.environ["TTR_CHUNK_STATES"] = choice
+    try:
+        yield
     finally:
         if before is None:
             os.environ.pop("TTR_CHUNK_STATES", None)
         else:
             os.environ["TTR_CHUNK_STATES"] = before
-    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def tuning_set(overrides: dict):
+    """``index.TUNING`` holding exactly ``overrides`` inside the block, its contents as they were after it."""
+    from ttr.kernels.common.index import TUNING
+
+    before = {k: dict(v) for k, v in TUNING.items()}
+    TUNING.clear()
+    TUNING.update({k: dict(v) for k, v in overrides.items()})
+    try:
+        yield
+    finally:
+        TUNING.clear()
+        TUNING.update(before)
+
+
+def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
+    """The ``--chunk-states`` table (module docstring); each measurement is appended to ``rows``."""
+    return alternatives_table(presets, args, rows, "chunk_states", args.chunk_state_list, chunk_states_set,
+                              "TTR_CHUNK_STATES")
+
+
+def tuning_table(presets: list[str], args, rows: list[dict]) -> str:
+    """The ``--tuning`` table (module docstring); each measurement is appended to ``rows``."""
+    return alternatives_table(presets, args, rows, "tuning", args.tuning_list, tuning_set, "TUNING")
+
+
+def tuning_alternatives(text: str) -> list[dict]:
+    """``--tuning``'s JSON: a list of objects, each mapping stage names to objects of launch
+    parameters (``{}``: the built-in defaults). ValueError names what is wrong."""
+    try:
+        alts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(alts, list) or not alts:
+        raise ValueError("expected a non-empty JSON list of objects, e.g. '[{}, {\"wy_bwd\": {\"num_warps\": 8}}]'")
+    for i, alt in enumerate(alts):
+        if not isinstance(alt, dict) or not all(isinstance(v, dict) for v in alt.values()):
+            raise ValueError(f"alternative {i} must be an object of stage name -> object of launch parameters, "
+                             f"got {json.dumps(alt)}")
+    return alts
 
 
 def parse_args(argv: list[str] | None):
@@ -559,8 +621,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--chunk-states", default=None, metavar="CHOICES",
                         help="comma-separated TTR_CHUNK_STATES values: the table of ttr's models under each "
                              "(default: none)")
-    parser.add_argument("--chunk-states-rounds", type=int, default=2,
-                        help="--chunk-states: how many times the choices alternate (default: 2)")
+    parser.add_argument("--tuning", default=None, metavar="ALTS",
+                        help="a JSON list of launch overrides for index.TUNING (each an object of stage name -> "
+                             "launch parameters; {} the defaults): the table of ttr's models under each "
+                             "(default: none)")
+    parser.add_argument("--alternate-rounds", "--chunk-states-rounds", dest="alternate_rounds", type=int, default=2,
+                        help="--chunk-states, --tuning: how many times the choices alternate (default: 2)")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--gen-len", type=int, default=512)
     parser.add_argument("--tokenizer", default="",
@@ -584,7 +650,11 @@ def parse_args(argv: list[str] | None):
     bad = [c for c in args.chunk_state_list if c not in CHUNK_STATES]
     if bad:
         parser.error(f"--chunk-states: unknown {bad}; expected some of {list(CHUNK_STATES)}")
-    for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len", "chunk_states_rounds"):
+    try:
+        args.tuning_list = tuning_alternatives(args.tuning) if args.tuning is not None else []
+    except ValueError as e:
+        parser.error(f"--tuning: {e}")
+    for name in ("batch", "seq_len", "steps", "prompt_len", "gen_len", "alternate_rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.profile and args.loop != "plain":
@@ -621,12 +691,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     decoded: list[dict] = []
     chunk_rows: list[dict] = []
+    tuning_rows: list[dict] = []
     tables = []
 
     def write(text: str) -> None:
         data = {"environment": env, "settings": {k: getattr(args, k) for k in (
             "loop", "batch", "seq_len", "steps", "warmup", "isolate", "lift_fla_guard", "rounds")},
-            "fla_note": note, "rows": results, "decode": decoded, "chunk_states": chunk_rows}
+            "fla_note": note, "rows": results, "decode": decoded, "chunk_states": chunk_rows, "tuning": tuning_rows}
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=1))
         if args.out:
@@ -663,10 +734,12 @@ def main(argv: list[str] | None = None) -> int:
         text = decode_table(args.preset_list, args, decoded)
         tables.append(text if args.train else describe_environment(env) + "\n\n" + text)
         print("\n" + tables[-1], flush=True)
-    if args.chunk_state_list:
-        text = chunk_states_table(args.preset_list, args, chunk_rows)
-        tables.append(text if tables else describe_environment(env) + "\n\n" + text)
-        print("\n" + tables[-1], flush=True)
+    for alternatives, table, found in ((args.chunk_state_list, chunk_states_table, chunk_rows),
+                                       (args.tuning_list, tuning_table, tuning_rows)):
+        if alternatives:
+            text = table(args.preset_list, args, found)
+            tables.append(text if tables else describe_environment(env) + "\n\n" + text)
+            print("\n" + tables[-1], flush=True)
     write("\n\n".join(tables))
     return 0
 

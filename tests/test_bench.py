@@ -446,6 +446,52 @@ def test_bench_model_chunk_states_table(monkeypatch, tmp_path, capsys):
     assert "| delta_net-debug | keep | out of memory |" in table
 
 
+def test_bench_model_tuning_table(monkeypatch, tmp_path, capsys):
+    """``--tuning``: one row per alternative with every round's tokens/s, ``index.TUNING`` holding
+    exactly that alternative during its runs and restored after; an overridden stage that no launch
+    read is named in its row; a malformed list is refused naming the flag."""
+    from ttr.kernels.common import index
+
+    out = tmp_path / "t.json"
+    seen = []
+    real_loop = bench_model.plain_loop
+
+    def loop(*a, **k):
+        seen.append({s: dict(v) for s, v in index.TUNING.items()})
+        index.tuned("wy_bwd")  # a launch that reads this stage
+        return real_loop(*a, **k)
+
+    monkeypatch.setattr(bench_model, "plain_loop", loop)
+    monkeypatch.setitem(index.TUNING, "overlap", {"enabled": False})
+    alts = '[{}, {"wy_bwd": {"num_warps": 8}}, {"wy_bwdd": {"num_warps": 8}}]'
+    assert bench_model.main(["--device", "cpu", "--presets", "delta_net-debug", "--no-train", "--tuning", alts,
+                             "--alternate-rounds", "1", "--batch", "1", "--seq-len", "16", "--steps", "1",
+                             "--warmup", "0", "--json", str(out), "--out", str(tmp_path / "t.md")]) == 0
+    assert seen == [{}, {"wy_bwd": {"num_warps": 8}}, {"wy_bwdd": {"num_warps": 8}}]
+    assert index.TUNING == {"overlap": {"enabled": False}}
+    rows = json.loads(out.read_text())["tuning"]
+    assert [(r["tuning"], r["unread"], len(r["tokens_per_s"])) for r in rows] == [
+        ("{}", [], 1), ('{"wy_bwd":{"num_warps":8}}', [], 1), ('{"wy_bwdd":{"num_warps":8}}', ["wy_bwdd"], 1)]
+    md = (tmp_path / "t.md").read_text()
+    assert '| delta_net-debug | {"wy_bwdd":{"num_warps":8}} (no launch read wy_bwdd) |' in md
+    for bad, says in (("[{}", "not JSON"), ("{}", "expected a non-empty JSON list"), ("[]", "expected a non-empty JSON list"),
+                      ('[{"wy_bwd": 8}]', "alternative 0 must be an object")):
+        with pytest.raises(SystemExit):
+            bench_model.parse_args(["--device", "cpu", "--tuning", bad])
+        err = capsys.readouterr().err
+        assert "--tuning: " + says in err and "Traceback" not in err
+
+
+def test_reading_stages_collects_the_stages_asked_for():
+    from ttr.kernels.common import index
+
+    with index.reading_stages() as outer:
+        index.tuned("a", BK=1)
+        with index.reading_stages() as inner:
+            assert index.tuned("b", BK=2) == {"BK": 2}
+    assert inner == {"b"} and outer == {"a", "b"} and index._READ is None
+
+
 def test_bench_model_rounds_train_the_pair_in_turn(monkeypatch, tmp_path, capsys):
     """``--rounds``: a preset's models built side by side and trained in turn, each row the median of
     its rounds; a model that runs out of memory in a later round is a row, the other keeps its

@@ -3,6 +3,7 @@ packing of documents (``cu_seqlens``) resolved once for all the ops of a forward
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -260,6 +261,26 @@ def block_size(n: int, cap: int) -> int:
     return min(cap, max(16, next_power_of_2(n)))
 
 
+# The stage names ``tuned`` was asked for while ``reading_stages`` is active, else None: a benchmark
+# that sets ``TUNING`` learns which of its overrides no launch read (a misspelt stage does nothing).
+_READ: set[str] | None = None
+
+
 def tuned(stage: str, **defaults) -> dict:
     """The stage's launch parameters: the heuristic defaults, overridden by ``TUNING[stage]``."""
+    if _READ is not None:
+        _READ.add(stage)
     return {**defaults, **TUNING.get(stage, {})}
+
+
+@contextlib.contextmanager
+def reading_stages():
+    """Inside the block, the stage names that ``tuned`` is asked for collect in the set it yields."""
+    global _READ
+    before, _READ = _READ, set()
+    try:
+        yield _READ
+    finally:
+        read, _READ = _READ, before
+        if before is not None:
+            before |= read
