@@ -502,7 +502,10 @@ def alternatives_table(presets: list[str], args, rows: list[dict], key: str, cho
     lines = [f"{title}, ttr's models (plain loop, B={args.batch} T={args.seq_len}), one model per preset, the "
              f"choices alternated {args.alternate_rounds} times", "",
              f"| preset | {title} | tokens/s, each round | peak GiB |", "|---|---|---|---|"]
-    label = (lambda c: json.dumps(c, separators=(",", ":"))) if key == "tuning" else str
+
+    def label(choice) -> str:  # a TUNING alternative as compact JSON
+        return json.dumps(choice, separators=(",", ":")) if isinstance(choice, dict) else str(choice)
+
     for preset in presets:
         _free()
         model = build(preset, "ttr", device)
@@ -520,7 +523,7 @@ def alternatives_table(presets: list[str], args, rows: list[dict], key: str, cho
                 except torch.cuda.OutOfMemoryError as e:  # this choice does not fit; the others still run
                     failed(row, e)
                     continue
-                if key == "tuning":
+                if isinstance(choice, dict):
                     row["unread"] = sorted(set(choice) - read)
                 row["tokens_per_s"].append(r["tokens_per_s"])
                 if device.type == "cuda":
