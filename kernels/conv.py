@@ -436,6 +436,84 @@ def causal_conv1d(
     return y, final if output_final_state else None
 
 
+class _ColumnsConv1dFunction(torch.autograd.Function):
+    """``causal_conv1d`` of each column block of one x ``[B, T, sum D_i]`` (without states): the
+    outputs are the blocks' own tensors, and the backward writes every block's input gradient into
+    one tensor of x's shape (``conv_bwd``'s ``dx``), so the product x came from takes it whole."""
+
+    @staticmethod
+    def forward(ctx, x, packing, activation, l2s, l2_eps, *params):
+        n = len(l2s)
+        weights, biases = [w.contiguous() for w in params[:n]], params[n:]
+        x = rows_in_place(x)
+        ys, start = [], 0
+        for w, b, l2 in zip(weights, biases, l2s):
+            ys.append(conv_fwd(x[..., start:start + w.shape[0]], w, b, None, activation, packing, l2, l2_eps))
+            start += w.shape[0]
+        ctx.save_for_backward(x, *weights, *biases)
+        ctx.packing, ctx.activation, ctx.l2s, ctx.l2_eps = packing, activation, l2s, l2_eps
+        ctx.set_materialize_grads(False)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *params = ctx.saved_tensors
+        n = len(ctx.l2s)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dws, dbs, start = [], [], 0
+        for w, b, l2, dy in zip(params[:n], params[n:], ctx.l2s, dys):
+            cols = slice(start, start + w.shape[0])
+            xi = x[..., cols]
+            dy = torch.zeros_like(xi) if dy is None else dy.contiguous()
+            _, dw, db, _ = conv_bwd(xi, w, b, None, dy, None, ctx.activation, ctx.packing, l2, ctx.l2_eps,
+                                    dx=dx[..., cols])
+            dws.append(dw)
+            dbs.append(db)
+            start += w.shape[0]
+        return dx, None, None, None, None, *dws, *dbs
+
+
+@on_input_device
+def causal_conv1d_columns(x, weights, biases=None, *, activation=None, cu_seqlens=None, l2_groups=None,
+                          l2_eps=1e-6):
+    """``causal_conv1d`` of consecutive column blocks of x, one block per weight: block i is
+    ``x[..., o_i:o_i + D_i]`` with ``D_i = weights[i].shape[0]``, convolved with ``weights[i]``,
+    ``biases[i]`` and ``l2_groups[i]``. Without states (training). The blocks' input gradients come
+    back as one tensor of x's shape, written in place by each block's backward, so that the
+    product x came from (the delta rules' q, k and v as one projection) takes its gradient
+    without a copy.
+
+    Args:
+        x: ``[B, T, sum D_i]``; a column block of a wider tensor is read in place.
+        weights: ``[D_i, W]`` each; biases: None or a list of ``[D_i]`` or None.
+        activation, cu_seqlens, l2_eps: as in ``causal_conv1d``.
+        l2_groups: None or a list of ``causal_conv1d``'s ``l2_group`` per block.
+
+    Returns:
+        a tuple of the blocks' outputs ``[B, T, D_i]`` in x's dtype.
+    """
+    n = len(weights)
+    biases = [None] * n if biases is None else list(biases)
+    l2_groups = [None] * n if l2_groups is None else list(l2_groups)
+    if not n or len(biases) != n or len(l2_groups) != n:
+        raise ValueError(f"weights, biases and l2_groups must be lists of one length >= 1, got {n}, "
+                         f"{len(biases)} and {len(l2_groups)}")
+    check_rank("x", x, 3, "[B, T, D]")
+    widths = [w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else -1 for w in weights]
+    if sum(widths) != x.shape[2] or min(widths) < 1:
+        raise ValueError(f"weights must be [D_i, W] with the D_i summing to x's D={x.shape[2]}, got widths {widths}")
+    starts = [sum(widths[:i]) for i in range(n)]
+    for i, (w, b, g) in enumerate(zip(weights, biases, l2_groups)):
+        check_conv_inputs(x[..., starts[i]:starts[i] + widths[i]], w, b, activation, cu_seqlens, None, g)
+    fused = all(g is None or not (g & (g - 1) or g > MAX_L2_GROUP) for g in l2_groups)
+    if kernel_backend(x) == "torch" or not fused:
+        return tuple(causal_conv1d(x[..., s:s + d], w, b, activation=activation, cu_seqlens=cu_seqlens, l2_group=g,
+                                   l2_eps=l2_eps)[0] for s, d, w, b, g in zip(starts, widths, weights, biases, l2_groups))
+    packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, x.shape[1], device=x.device)
+    return _ColumnsConv1dFunction.apply(x, packing, activation, tuple(g or 0 for g in l2_groups), float(l2_eps),
+                                        *weights, *biases)
+
+
 def _check_update(x, conv_state, weight, bias, activation, l2_group=None) -> None:
     check_rank("x", x, 2, "[B, D]")
     check_dtype("x", x)

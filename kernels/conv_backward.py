@@ -156,7 +156,7 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_x0, b_x1, b_x2, b_d1
 
 @triton.jit
 def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
-               b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+               b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx, s_dxt,
                seq_idx, cu, i_b, T, o_d, m_d, D, eps, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
                L2: tl.constexpr, BD: tl.constexpr, EDGE: tl.constexpr):
@@ -184,11 +184,12 @@ def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, 
         )  # fmt: skip
         if EDGE:
             inside = (t - u >= t_lo) & (t - u < t_hi)
-            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=_cols_if(o_d, D, inside))
+            tl.store(dx + (t - u).to(tl.int64) * s_dxt + o_d, b_dx.to(dx.dtype.element_ty),
+                     mask=_cols_if(o_d, D, inside))
             # the W-1 tokens past the segment only hand their da to the tokens before them
             b_gi = tl.where(inside, b_g, 0.0)
         else:
-            tl.store(dx + (t - u).to(tl.int64) * D + o_d, b_dx.to(dx.dtype.element_ty), mask=m_d)
+            tl.store(dx + (t - u).to(tl.int64) * s_dxt + o_d, b_dx.to(dx.dtype.element_ty), mask=m_d)
             b_gi = b_g
         b_dw0 += b_gi * b_x0
         b_dw1 += b_gi * b_s1
@@ -201,7 +202,8 @@ def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, 
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, cu, T, D, s_xb, s_xt, NS, eps,
+def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, cu, T, D, s_xb, s_xt, s_dxb, s_dxt, NS,
+                     eps,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
                      IS_VARLEN: tl.constexpr, SILU: tl.constexpr, L2: tl.constexpr, SEG: tl.constexpr,
                      BD: tl.constexpr):
@@ -215,7 +217,7 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
     m_d = o_d < D
     x += i_b.to(tl.int64) * s_xb
     dy += i_b.to(tl.int64) * T * D
-    dx += i_b.to(tl.int64) * T * D
+    dx += i_b.to(tl.int64) * s_dxb
     # tap s multiplies x(t - s): w[:, W-1-s] (zero for s >= W)
     b_w0 = tl.load(w + o_d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)
     b_w1 = tl.load(w + o_d * W + (W - 2), mask=m_d, other=0.0).to(tl.float32)
@@ -260,14 +262,14 @@ def _conv_bwd_kernel(x, w, bias, init, dy, dfinal, dx, dw, db, dinit, seq_idx, c
         if plain:
             b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
                 t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
-                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx, s_dxt,
                 seq_idx, cu, i_b, T, o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
                 False,
             )  # fmt: skip
         else:
             b_x0, b_x1, b_x2, b_d1, b_d2, b_d3, b_dw0, b_dw1, b_dw2, b_dw3, b_db = _walk_step(
                 t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, b_d3,
-                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx,
+                b_dw0, b_dw1, b_dw2, b_dw3, b_db, b_w0, b_w1, b_w2, b_w3, b_bias, init, dfinal, dinit, dx, s_dxt,
                 seq_idx, cu, i_b, T, o_d, m_d, D, eps, W, HAS_BIAS, HAS_INIT, HAS_DFINAL, IS_VARLEN, SILU, L2, BD,
                 True,
             )  # fmt: skip
@@ -287,15 +289,18 @@ def varlen_meta(packing):
     return (None, None) if packing is None else (packing.seq_ids, packing.cu_seqlens)
 
 
-def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_eps=1e-6):
+def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_eps=1e-6, dx=None):
     """The Triton backward, one pass (``_conv_bwd_kernel``): ``(dx, dweight, dbias, dinit)`` from the
-    output gradient dy (contiguous) and the final state's dfinal (or None); ``l2`` as in ``conv_fwd``."""
+    output gradient dy (contiguous) and the final state's dfinal (or None); ``l2`` as in ``conv_fwd``.
+    ``dx``: where to write x's gradient (x's shape and dtype, unit stride over D: a column block of
+    a wider tensor, as ``conv.causal_conv1d_columns`` gives), else a new contiguous tensor."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = varlen_meta(packing)
     cfg = _launch_bwd(d, l2, packing is not None)
     ns = cdiv(t, cfg["SEG"])
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx is None:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty(b * ns, w, d, dtype=torch.float32, device=x.device)
     db = torch.empty(b * ns, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
@@ -304,7 +309,7 @@ def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, l2_ep
             x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
             dfinal if dfinal is not None else dy, dx, dw, db if db is not None else dw,
             dinit if dinit is not None else dw, seq_idx if seq_idx is not None else x,
-            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), ns, l2_eps,
+            cu if cu is not None else x, t, d, x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), ns, l2_eps,
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
             IS_VARLEN=cu is not None, SILU=activation == "silu", L2=l2, **cfg,
         )  # fmt: skip

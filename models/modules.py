@@ -26,13 +26,16 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 NARROW_MAP = 64
 
 
-def _map_groups(params, n: int) -> list[list[int]]:
-    """The maps of one ``_SharedInputLinear`` call by product: the narrow maps (``NARROW_MAP``)
-    of one parameter dtype share one product when there are several, each other map has its own."""
-    narrow = [i for i in range(n) if params[i].shape[0] <= NARROW_MAP]
+def _map_groups(params, n: int, joined: int = 0) -> list[list[int]]:
+    """The maps of one ``_SharedInputLinear`` call by product: the first ``joined`` maps (when
+    there are any) one product whose output is one tensor, the narrow maps (``NARROW_MAP``) of one
+    parameter dtype among the rest one product when there are several, each other map its own."""
+    rest = range(joined, n)
+    first = [list(range(joined))] if joined else []
+    narrow = [i for i in rest if params[i].shape[0] <= NARROW_MAP]
     if len(narrow) < 2 or len({params[i].dtype for i in narrow}) > 1:
-        return [[i] for i in range(n)]
-    return [narrow] + [[i] for i in range(n) if i not in narrow]
+        return first + [[i] for i in rest]
+    return first + [narrow] + [[i] for i in rest if i not in narrow]
 
 
 class _SharedInputLinear(torch.autograd.Function):
@@ -45,13 +48,16 @@ class _SharedInputLinear(torch.autograd.Function):
     Narrow maps (Gated DeltaNet's two 16-wide gates) cost a read of x each way for almost no
     products, so they run as one product of their stacked weights (their outputs are views of its
     columns), and their input gradient is the first product of the backward, the one that writes
-    dx without reading it."""
+    dx without reading it. The first ``joined`` maps run as one product whose output is returned
+    whole (the delta rules' q, k and v, whose short convs take it as column blocks and give its
+    gradient back as one tensor): one product each way for the three, where three would add into
+    dx one after the other."""
 
     @staticmethod
-    def forward(ctx, x, n, *params):
+    def forward(ctx, x, n, joined, *params):
         weights = [w.to(x.dtype) for w in params[:n]]
         biases = [b.to(x.dtype) if b is not None else None for b in params[n:]]
-        groups = _map_groups(params, n)
+        groups = _map_groups(params, n, joined)
         outs, kept = [None] * n, []
         for group in groups:
             w = weights[group[0]] if len(group) == 1 else torch.cat([weights[i] for i in group])
@@ -59,20 +65,27 @@ class _SharedInputLinear(torch.autograd.Function):
             b = bs[0] if len(group) == 1 else None if all(c is None for c in bs) else torch.cat(
                 [c if c is not None else w.new_zeros(weights[i].shape[0]) for i, c in zip(group, bs)])
             y = torch.nn.functional.linear(x, w, b)
-            for i, yi in zip(group, y.split([weights[i].shape[0] for i in group], -1)):
-                outs[i] = yi
+            if joined and group[0] == 0:
+                outs[0] = y
+            else:
+                for i, yi in zip(group, y.split([weights[i].shape[0] for i in group], -1)):
+                    outs[i] = yi
             kept.append(w)
         ctx.save_for_backward(x, *kept)
-        ctx.n, ctx.groups, ctx.widths = n, groups, [w.shape[0] for w in weights]
+        ctx.n, ctx.joined, ctx.groups, ctx.widths = n, joined, groups, [w.shape[0] for w in weights]
         ctx.dtypes = [p.dtype if p is not None else None for p in params]
         ctx.set_materialize_grads(False)
-        return tuple(outs)
+        return (outs[0], *outs[joined:]) if joined else tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *kept = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        need, n, widths = ctx.needs_input_grad, ctx.n, ctx.widths
+        need, n, widths, joined = ctx.needs_input_grad, ctx.n, ctx.widths, ctx.joined
+        if joined:  # the joined maps' gradient is one tensor: its column blocks are theirs
+            whole = grads[0].reshape(-1, sum(widths[:joined])) if grads[0] is not None else None
+            parts = whole.split(widths[:joined], -1) if whole is not None else (None,) * joined
+            grads = (*parts, *grads[1:])
         dx, dws, dbs = None, [None] * n, [None] * n
         # narrowest product first: it writes dx, each later one reads and adds into it, which a
         # wide product hides behind its own work and a narrow one does not
@@ -80,19 +93,22 @@ class _SharedInputLinear(torch.autograd.Function):
             gs = [grads[i].reshape(-1, widths[i]) if grads[i] is not None else None for i in group]
             if all(g is None for g in gs):
                 continue
-            g2 = gs[0] if len(group) == 1 else torch.cat(
-                [g if g is not None else x2.new_zeros(x2.shape[0], widths[i]) for i, g in zip(group, gs)], -1)
+            if joined and group[0] == 0 and whole is not None:
+                g2 = whole
+            else:
+                g2 = gs[0] if len(group) == 1 else torch.cat(
+                    [g if g is not None else x2.new_zeros(x2.shape[0], widths[i]) for i, g in zip(group, gs)], -1)
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
-            wanted = [need[2 + i] and g is not None for i, g in zip(group, gs)]
+            wanted = [need[3 + i] and g is not None for i, g in zip(group, gs)]
             if any(wanted):
                 dw = weight_grad(g2, x2, ctx.dtypes[group[0]]).split([widths[i] for i in group])
                 for i, dwi, want in zip(group, dw, wanted):
                     dws[i] = dwi if want else None
             for i, g in zip(group, gs):
-                if need[2 + n + i] and g is not None:
+                if need[3 + n + i] and g is not None:
                     dbs[i] = bias_grad(g, ctx.dtypes[n + i])
-        return (dx.view(x.shape) if dx is not None else None), None, *dws, *dbs
+        return (dx.view(x.shape) if dx is not None else None), None, None, *dws, *dbs
 
 
 def _plain(modules, types=(nn.Linear,)) -> bool:
@@ -113,15 +129,30 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in modules)``, with the backward of ``_SharedInputLinear`` when every
     module is a plain ``nn.Linear`` without hooks. Anything else (an adapter or quantised layer
     put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour."""
+    return _shared_input(x, modules, 0) or tuple(m(x) for m in modules)
+
+
+def joined_linears(x: torch.Tensor, joined, *others: nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """``(cat([m(x) for m in joined], -1), *(m(x) for m in others))`` by ``_SharedInputLinear``,
+    the ``joined`` maps as one product whose output is one tensor (and whose gradient comes back as
+    one); None where ``linears`` would call the modules (the caller then takes its own path)."""
+    joined = list(joined)
+    if len(joined) < 2 or len({m.weight.dtype for m in joined}) > 1 or len({m.bias is None for m in joined}) > 1:
+        return None
+    return _shared_input(x, [*joined, *others], len(joined))
+
+
+def _shared_input(x, modules, joined: int):
+    """``_SharedInputLinear`` over ``modules`` where ``linears`` may take it, else None."""
     if not _plain(modules) or not torch.is_grad_enabled():
-        return tuple(m(x) for m in modules)
+        return None
     weights, biases = [m.weight for m in modules], [m.bias for m in modules]
     dtype = autocast_dtype(x)
     if dtype is not None:  # the input's cast autocast would make for F.linear; the weights' is inside
         x = x.to(dtype)
     elif any(w.dtype != x.dtype for w in weights):
-        return tuple(m(x) for m in modules)  # F.linear's own error for mixed dtypes
-    return _SharedInputLinear.apply(x, len(modules), *weights, *biases)
+        return None  # the modules, called, raise F.linear's own error for mixed dtypes
+    return _SharedInputLinear.apply(x, len(modules), joined, *weights, *biases)
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from ttr.kernels.common.index import CHUNK_SIZE
+from ttr.kernels.common.index import CHUNK_SIZE, tuned
+from ttr.kernels.conv import causal_conv1d_columns
 
-from ..modules import ShortConv, l2_normalize, linears, output_projection, run_short_convs
+from ..modules import (
+    ShortConv,
+    _plain,
+    joined_linears,
+    l2_normalize,
+    linears,
+    output_projection,
+    run_short_convs,
+)
 from .base import Mixer
 
 
@@ -68,9 +77,23 @@ class LinearMixer(Mixer):
         name."""
         b, t, _ = x.shape
         names = self.input_projections
-        out = dict(zip(names, linears(x, *(getattr(self, n) for n in names))))
-        q, k, v = out.pop("q_proj"), out.pop("k_proj"), out.pop("v_proj")
-        if self.convs is not None:
+        maps = [getattr(self, n) for n in names]
+        joined = None
+        if self.convs is not None and mask is None and layer_cache is None and not decoding and self._columns():
+            joined = joined_linears(x, maps[:3], *maps[3:])
+        if joined is not None:
+            # q, k and v as one product, its gradient one tensor that the convs' backward writes
+            # (``kernels.conv.causal_conv1d_columns``): one input-gradient product instead of three
+            # that add into dx, and one product each forward and for the weights
+            out = dict(zip(names[3:], joined[1:]))
+            q, k, v = causal_conv1d_columns(
+                joined[0], [c.weight for c in self.convs], [c.bias for c in self.convs], activation="silu",
+                cu_seqlens=cu_seqlens, l2_groups=[c.l2_group for c in self.convs],
+            )
+        else:
+            out = dict(zip(names, linears(x, *maps)))
+            q, k, v = out.pop("q_proj"), out.pop("k_proj"), out.pop("v_proj")
+        if self.convs is not None and joined is None:
             q, k, v = run_short_convs(
                 list(self.convs), [q, k, v], mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache,
                 decoding=decoding,
@@ -80,6 +103,12 @@ class LinearMixer(Mixer):
         if self.qk_l2_norm and self.convs is None:
             q, k = l2_normalize(q), l2_normalize(k)
         return q, k, v.view(b, t, h, self.head_v), out
+
+    def _columns(self) -> bool:
+        """Whether the short convs may take q, k and v as column blocks of one product: ttr's own
+        ``ShortConv`` without hooks (as ``linears`` asks of its maps), unless
+        ``TUNING["qkv_columns"] = {"enabled": False}`` (for measurement)."""
+        return _plain(self.convs, (ShortConv,)) and tuned("qkv_columns", enabled=True)["enabled"]
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""

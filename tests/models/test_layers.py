@@ -75,3 +75,41 @@ def test_delta_rules_take_beta_in_fp32_under_autocast(name, monkeypatch):
     logits = torch.nn.functional.linear(x.detach().bfloat16(), layer.b_proj.weight.detach().bfloat16()).double()
     want = (torch.sigmoid(logits) * torch.sigmoid(-logits)).sum((0, 1))[:, None].expand_as(dw)  # x is ones
     assert ((dw.double() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["delta_net", "gated_deltanet"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
+    """With short convs (training, no mask) q, k and v run as one projection whose gradient the
+    convs give back as one tensor (``causal_conv1d_columns``); the layer's output and every
+    gradient are those of the three projections and convs it replaces, and a mask or a cache takes
+    the three."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.models.layers import linear as linear_layer
+
+    torch.manual_seed(0)
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=[name], num_heads=2)
+    layer = LAYER_TYPES[name](cfg, 0)
+    with torch.no_grad():  # a layer built alone has no initialised weights (the model initialises them)
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    calls = []
+    real = linear_layer.causal_conv1d_columns
+    monkeypatch.setattr(linear_layer, "causal_conv1d_columns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(1 if packed else 2, 40, 64)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32) if packed else None
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": enabled})
+        xx = x.clone().requires_grad_()
+        for p in layer.parameters():
+            p.grad = None
+        out = layer(xx, cu_seqlens=cu)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append([out.detach(), xx.grad] + [p.grad for p in layer.parameters()])
+    assert len(calls) == 1
+    for a, b in zip(*results):  # the same sums, in another order inside the products
+        assert a.shape == b.shape and ((a - b).norm() / b.norm()) < 1e-5
+    monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": True})
+    layer(x, mask=torch.ones(x.shape[:2], dtype=torch.bool) if not packed else None, cu_seqlens=cu)
+    assert len(calls) == (1 if not packed else 2)

@@ -194,3 +194,58 @@ def test_swiglu_mlp_as_its_modules(autocast):
     for a, b in zip(*results):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_joined_linears_equal_separate_projections(bias):
+    """``joined_linears``: the joined maps' outputs as one tensor (their columns in order) and the
+    others as ``linears`` gives them; every gradient as with separate projections; the joined
+    gradient is used whole (no cat of its blocks) in one product that adds into dx."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ttr.models.modules import joined_linears
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func.overloadpacket.__name__, tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+            return out
+
+    torch.manual_seed(0)
+    joined = [nn.Linear(24, n, bias=bias) for n in (8, 8, 16)]
+    others = [nn.Linear(24, n, bias=bias) for n in (3, 4, NARROW_MAP + 16)]
+    mods = joined + others
+    x = torch.randn(2, 5, 24)
+    ref_out, ref_grads = _grads(mods, x, separate, used=range(6))
+
+    def fn(x, mods):
+        whole, *rest = joined_linears(x, mods[:3], *mods[3:])
+        assert whole.shape == (2, 5, 32)
+        return [*whole.split([8, 8, 16], -1), *rest]
+
+    with Ops() as mode:
+        out, grads = _grads(mods, x, fn, used=range(6))
+    for a, b in zip(out + grads, ref_out + ref_grads):  # the same sums, in another order in the products
+        assert a.shape == b.shape and ((a - b).norm() / b.norm()) < 1e-6
+    assert ("mm", (32, 24)) in mode.seen  # one weight gradient for the joined maps, split after
+    assert ("cat", (10, 32)) not in mode.seen  # their gradient is used whole: no cat of its blocks
+
+
+def test_joined_linears_decline_what_linears_calls():
+    """None (the caller takes its own path) for one map, maps of mixed dtypes or biases, or a
+    module that is not a plain ``nn.Linear``."""
+    from ttr.models.modules import joined_linears
+
+    x = torch.randn(2, 3, 8)
+    a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)
+    assert joined_linears(x, [a]) is None
+    assert joined_linears(x, [a, nn.Linear(8, 4)]) is None
+    assert joined_linears(x, [a, nn.Linear(8, 4, bias=False).double()]) is None
+    hooked = nn.Linear(8, 4, bias=False)
+    hooked.register_forward_hook(lambda *args: None)
+    assert joined_linears(x, [a, hooked]) is None
+    assert joined_linears(x, [a, b])[0].shape == (2, 3, 8)
