@@ -19,6 +19,10 @@ delta rules do to q and k, inside the same kernels.
 ``causal_conv1d_update`` is the decoding step: one token ``x [B, D]`` against ``conv_state
 [B, D, W-1]``; it returns ``(y [B, D], new_conv_state)`` with the state shifted by one token.
 The backward's kernel, a walk over each segment of tokens, is in ``conv_backward.py``.
+
+``causal_conv1d_columns`` convolves consecutive column blocks of one tensor (the delta rules' q, k
+and v as one projection's output) and writes the blocks' input gradients into one tensor, which
+the projection's backward takes whole.
 """
 
 from __future__ import annotations

@@ -222,8 +222,10 @@ def keep_states(plan: ChunkPlan) -> bool:
 
 # Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_inverse", "wy_fwd", "wy_bwd", "output_fwd",
 # "output_bwd_dv", "output_bwd_dqk", "output_bwd_dqk_walk") -> {"BV": .., "num_warps": .., "num_stages": ..}
-# ("output_bwd_dqk_walk" also {"walk": bool}: ``output.dqk_walks``), and "overlap" ->
-# {"enabled": False} to run the passes that ``overlap.beside`` puts on a second stream in turn. Empty
+# ("output_bwd_dqk_walk" also {"walk": bool}: ``output.dqk_walks``), "overlap" -> {"enabled": False}
+# to run the passes that ``overlap.beside`` puts on a second stream in turn, and "qkv_columns" ->
+# {"enabled": False} for the delta rules' q, k and v as three projections and convs
+# (``models.layers.linear``; by default one projection, ``conv.causal_conv1d_columns``). Empty
 # in normal use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in
 # heuristics.
 TUNING: dict[str, dict] = {}
