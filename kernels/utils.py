@@ -22,20 +22,26 @@ MAX_HEAD_DIM = 256
 
 
 @contextlib.contextmanager
+def env_override(name: str, value: str):
+    """The environment variable ``name`` set to ``value`` inside the block, as it was (or unset)
+    afterwards: the run-time settings the ops read (``TTR_KERNEL_BACKEND``, ``TTR_CHUNK_STATES``)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def backend_override(backend: str):
     """Inside the block every op runs on ``backend`` (``TTR_KERNEL_BACKEND``, restored afterwards):
     benchmarks timing both backends, and float64 oracles of ops that otherwise refuse float64."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    old = os.environ.get("TTR_KERNEL_BACKEND")
-    os.environ["TTR_KERNEL_BACKEND"] = backend
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TTR_KERNEL_BACKEND", None)
-        else:
-            os.environ["TTR_KERNEL_BACKEND"] = old
+    return env_override("TTR_KERNEL_BACKEND", backend)
 
 
 def interpreter_active() -> bool:

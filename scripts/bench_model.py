@@ -58,7 +58,6 @@ Usage: ``python -m ttr.scripts.bench_model [--presets a,b] [--no-references] [--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -83,6 +82,7 @@ from ttr.scripts.bench_utils import (
     step_breakdown,
     time_ms,
     triton_kernel_kinds,
+    tuning_override,
 )
 
 GIB = 2**30
@@ -541,44 +541,17 @@ def alternatives_table(presets: list[str], args, rows: list[dict], key: str, cho
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def chunk_states_set(choice: str):
-    """``TTR_CHUNK_STATES=choice`` inside the block, the variable as it was after it."""
-    before = os.environ.get("TTR_CHUNK_STATES")
-    os.environ["TTR_CHUNK_STATES"] = choice
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TTR_CHUNK_STATES", None)
-        else:
-            os.environ["TTR_CHUNK_STATES"] = before
-
-
-@contextlib.contextmanager
-def tuning_set(overrides: dict):
-    """``index.TUNING`` holding exactly ``overrides`` inside the block, its contents as they were after it."""
-    from ttr.kernels.common.index import TUNING
-
-    before = {k: dict(v) for k, v in TUNING.items()}
-    TUNING.clear()
-    TUNING.update({k: dict(v) for k, v in overrides.items()})
-    try:
-        yield
-    finally:
-        TUNING.clear()
-        TUNING.update(before)
-
-
 def chunk_states_table(presets: list[str], args, rows: list[dict]) -> str:
     """The ``--chunk-states`` table (module docstring); each measurement is appended to ``rows``."""
-    return alternatives_table(presets, args, rows, "chunk_states", args.chunk_state_list, chunk_states_set,
-                              "TTR_CHUNK_STATES")
+    from ttr.kernels.utils import env_override
+
+    return alternatives_table(presets, args, rows, "chunk_states", args.chunk_state_list,
+                              lambda c: env_override("TTR_CHUNK_STATES", c), "TTR_CHUNK_STATES")
 
 
 def tuning_table(presets: list[str], args, rows: list[dict]) -> str:
     """The ``--tuning`` table (module docstring); each measurement is appended to ``rows``."""
-    return alternatives_table(presets, args, rows, "tuning", args.tuning_list, tuning_set, "TUNING")
+    return alternatives_table(presets, args, rows, "tuning", args.tuning_list, tuning_override, "TUNING")
 
 
 def tuning_alternatives(text: str) -> list[dict]:

@@ -5,6 +5,7 @@ an older Triton."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import sys
@@ -219,6 +220,22 @@ class Stages(dict):
     off_path: frozenset = frozenset()
 
 
+@contextlib.contextmanager
+def tuning_override(overrides: dict):
+    """``index.TUNING`` holding exactly ``overrides`` (stage -> launch parameters) inside the block,
+    its contents as they were afterwards."""
+    from ttr.kernels.common.index import TUNING
+
+    before = {k: dict(v) for k, v in TUNING.items()}
+    TUNING.clear()
+    TUNING.update({k: dict(v) for k, v in overrides.items()})
+    try:
+        yield
+    finally:
+        TUNING.clear()
+        TUNING.update(before)
+
+
 def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5,
                 aliases: dict | None = None) -> list[str]:
     """Median ms of every stage closure in ``calls`` and, with ``sweep`` (stage -> list of launch
@@ -245,13 +262,11 @@ def time_stages(calls: dict, label: str, sweep: dict | None = None, top: int = 5
         call = stage if stage in calls else (aliases or {})[stage]
         results = []
         for cfg in options:
-            TUNING[stage] = cfg
             try:
-                results.append((bench(calls[call]), cfg))
+                with tuning_override({**TUNING, stage: cfg}):
+                    results.append((bench(calls[call]), cfg))
             except Exception as e:  # a configuration that does not fit is skipped
                 print(f"  {stage} {cfg}: {type(e).__name__}", file=sys.stderr)
-            finally:
-                TUNING.pop(stage, None)
         results.sort(key=lambda r: r[0])
         lines.append(f"  sweep {stage} {label}: default {times[call]:.3f}; "
                      + "; ".join(f"{t:.3f} {c}" for t, c in (results[:top] if top else results)))

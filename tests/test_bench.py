@@ -332,7 +332,7 @@ def test_stage_total_leaves_out_the_stages_off_the_ops_path(monkeypatch):
 
 def test_stage_sweep_lists_the_fastest_or_all(monkeypatch):
     """A sweep's line lists its alternatives fastest first, the five fastest by default and every one
-    with ``top=0`` (``ttr bench --stages --sweep-top``)."""
+    with ``top=0`` (``ttr bench --stages --sweep-top``); ``index.TUNING`` is as it was afterwards."""
     import triton.testing
 
     from ttr.kernels.common.index import TUNING
@@ -346,6 +346,11 @@ def test_stage_sweep_lists_the_fastest_or_all(monkeypatch):
                     "4.000 {'x': 4.0}; 5.000 {'x': 5.0}")
     assert time_stages(calls, "op", sweep, top=0)[1] == five + "; 6.000 {'x': 6.0}"
     assert "s" not in TUNING
+    # an override set before the sweep (another stage's, or the swept stage's own) is there after it
+    monkeypatch.setitem(TUNING, "s", {"x": 0.25})
+    monkeypatch.setitem(TUNING, "t", {"y": 1})
+    assert time_stages(calls, "op", sweep)[0].startswith("stages op: s 0.250")
+    assert TUNING["s"] == {"x": 0.25} and TUNING["t"] == {"y": 1}
 
 
 def test_fla_guard_note(monkeypatch):
