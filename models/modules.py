@@ -111,7 +111,7 @@ class _SharedInputLinear(torch.autograd.Function):
         return (dx.view(x.shape) if dx is not None else None), None, None, *dws, *dbs
 
 
-def _plain(modules, types=(nn.Linear,)) -> bool:
+def plain_modules(modules, types=(nn.Linear,)) -> bool:
     """Every module exactly one of ``types`` (a plain ``nn.Linear`` by default) and no forward
     hook watching it: calling a Function in place of the module changes nothing a user can see."""
     return all(
@@ -122,7 +122,7 @@ def _plain(modules, types=(nn.Linear,)) -> bool:
 def _fusable(proj: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``proj`` may run inside a fused node on ``x`` (``norm_linear``, ``swiglu_linear``):
     a plain ``nn.Linear`` in a pass that records gradients, on x in the dtype it would compute in."""
-    return _plain([proj]) and torch.is_grad_enabled() and (autocast_dtype(x) or proj.weight.dtype) == x.dtype
+    return plain_modules([proj]) and torch.is_grad_enabled() and (autocast_dtype(x) or proj.weight.dtype) == x.dtype
 
 
 def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -144,7 +144,7 @@ def joined_linears(x: torch.Tensor, joined, *others: nn.Module) -> tuple[torch.T
 
 def _shared_input(x, modules, joined: int):
     """``_SharedInputLinear`` over ``modules`` where ``linears`` may take it, else None."""
-    if not _plain(modules) or not torch.is_grad_enabled():
+    if not plain_modules(modules) or not torch.is_grad_enabled():
         return None
     weights, biases = [m.weight for m in modules], [m.bias for m in modules]
     dtype = autocast_dtype(x)
@@ -211,7 +211,7 @@ def output_projection(norm: nn.Module, x: torch.Tensor, z: torch.Tensor | None, 
     """``proj(norm(x[, z]))`` over the merged heads of x ``[..., H, D]``, by ``norm_linear`` when
     ``norm`` is ttr's own ``RMSNorm`` / ``GatedRMSNorm`` without hooks; any other module in its
     place is called."""
-    if _plain([norm], (RMSNorm, GatedRMSNorm)):
+    if plain_modules([norm], (RMSNorm, GatedRMSNorm)):
         return norm_linear(x, z, norm.weight, proj, eps=norm.eps, heads=True)
     y = norm(x) if z is None else norm(x, z)
     return linear(y.flatten(-2), proj)

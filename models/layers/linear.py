@@ -15,11 +15,11 @@ from ttr.kernels.conv import causal_conv1d_columns
 
 from ..modules import (
     ShortConv,
-    _plain,
     joined_linears,
     l2_normalize,
     linears,
     output_projection,
+    plain_modules,
     run_short_convs,
 )
 from .base import Mixer
@@ -108,7 +108,7 @@ class LinearMixer(Mixer):
         """Whether the short convs may take q, k and v as column blocks of one product: ttr's own
         ``ShortConv`` without hooks (as ``linears`` asks of its maps), unless
         ``TUNING["qkv_columns"] = {"enabled": False}`` (for measurement)."""
-        return _plain(self.convs, (ShortConv,)) and tuned("qkv_columns", enabled=True)["enabled"]
+        return plain_modules(self.convs, (ShortConv,)) and tuned("qkv_columns", enabled=True)["enabled"]
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""
