@@ -159,18 +159,12 @@ def _seq_of(seq_idx, cu, o_t, m_t, i_b, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _group_sum(b_t, BT: tl.constexpr, BD: tl.constexpr, L2: tl.constexpr):
-    """Sums of b_t over each run of L2 channels, broadcast back over the run. # [BT, BD]"""
-    b_g = tl.sum(tl.reshape(b_t, [BT, BD // L2, L2]), axis=2)  # [BT, BD // L2]
-    return tl.reshape(tl.broadcast_to(b_g[:, :, None], [BT, BD // L2, L2]), [BT, BD])
-
-
-@triton.jit
-def _conv_fwd_kernel(x, w, bias, init, y, seq_idx, cu, T, D, s_xb, s_xt, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
-                     BD: tl.constexpr, eps=1e-6, L2: tl.constexpr = 0):
+def _conv_fwd_kernel(x, w, bias, init, y, rstd, seq_idx, cu, T, D, s_xb, s_xt, W: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+                     BT: tl.constexpr, BD: tl.constexpr, eps=1e-6, L2: tl.constexpr = 0):
     """y = act(conv(x)). With L2 > 0 the output is normalised to unit L2 norm over each run of L2
-    channels (a head): y = u / sqrt(sum u^2 + eps) with u = act(conv(x)) in fp32."""
+    channels (a head): y = u * r with r = 1 / sqrt(sum u^2 + eps) and u = act(conv(x)) in fp32; r
+    is stored to rstd ``[B, T, D // L2]`` for the backward, which then sums over a group once."""
     i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -183,7 +177,12 @@ def _conv_fwd_kernel(x, w, bias, init, y, seq_idx, cu, T, D, s_xb, s_xt, W: tl.c
     m_td = m_t[:, None] & m_d[None, :]
     b_u, _ = silu_and_sigmoid(b_a, SILU)
     if L2 > 0:
-        b_u = b_u * tl.math.rsqrt(_group_sum(b_u * b_u, BT, BD, L2) + eps)
+        G: tl.constexpr = BD // L2
+        b_r = tl.math.rsqrt(tl.sum(tl.reshape(b_u * b_u, [BT, G, L2]), axis=2) + eps)  # [BT, G]
+        o_g = i_d * G + tl.arange(0, G)
+        p_r = rstd + (i_b.to(tl.int64) * T + o_t)[:, None] * (D // L2) + o_g[None, :]
+        tl.store(p_r, b_r, mask=m_t[:, None] & (o_g < D // L2)[None, :])
+        b_u = tl.reshape(tl.reshape(b_u, [BT, G, L2]) * b_r[:, :, None], [BT, BD])
     tl.store(p_y, b_u.to(y.dtype.element_ty), mask=m_td)
 
 
@@ -237,49 +236,51 @@ def rows_in_place(x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
-    """The Triton forward: y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x as
-    ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None; ``l2`` > 0 (a power of 2
-    dividing D) normalises every run of ``l2`` channels of y. Also a stage of ops that fuse the
-    conv (``kernels.ssd``'s ``chunk_conv_ssd``)."""
+    """The Triton forward: ``(y, rstd)``, y ``[B, T, D]`` (contiguous, x's dtype) of checked inputs, x
+    as ``rows_in_place`` gives it, ``packing`` a ``Packing`` or None; ``l2`` > 0 (a power of 2
+    dividing D) normalises every run of ``l2`` channels of y, and rstd ``[B, T, D // l2]`` (fp32)
+    holds each run's 1/norm, which ``conv_bwd`` takes (None without ``l2``). Also a stage of ops
+    that fuse the conv (``kernels.ssd``'s ``chunk_conv_ssd``)."""
     b, t, d = x.shape
     w = weight.shape[1]
     seq_idx, cu = varlen_meta(packing)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(b, t, d // l2, dtype=torch.float32, device=x.device) if l2 else None
     cfg = _launch_fwd(t, d, l2)
     grid = (cdiv(t, cfg["BT"]), cdiv(d, cfg["BD"]), b)
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
-            seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
+            rstd if rstd is not None else y, seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=activation == "silu", eps=l2_eps, L2=l2, **cfg,
         )  # fmt: skip
-    return y
+    return y, rstd
 
 
 class _CausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, packing, activation, l2=0, l2_eps=1e-6):
         # x may be a column slice of a wider projection (Mamba2's xBC): read in place, and saved
-        # as that view, so the backward keeps no copy of it. With l2 nothing else is kept: the
-        # backward recomputes the output before its norm from x.
+        # as that view, so the backward keeps no copy of it. With l2 it also keeps each group's
+        # 1/norm (4 bytes a group and token) and forms the output before its norm again from x.
         x, weight = rows_in_place(x), weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
-        y = conv_fwd(x, weight, bias, init, activation, packing, l2, l2_eps)
+        y, rstd = conv_fwd(x, weight, bias, init, activation, packing, l2, l2_eps)
         final = _final_state(x, init, packing, weight.shape[1])
-        ctx.save_for_backward(x, weight, bias, init)
-        ctx.packing, ctx.activation, ctx.l2 = packing, activation, (l2, l2_eps)
+        ctx.save_for_backward(x, weight, bias, init, rstd)
+        ctx.packing, ctx.activation, ctx.l2 = packing, activation, l2
         ctx.set_materialize_grads(False)
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, weight, bias, init = ctx.saved_tensors
+        x, weight, bias, init, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = dfinal.contiguous() if dfinal is not None else None
         dx, dw, db, dinit = conv_bwd(
-            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing, *ctx.l2
+            x, weight, bias, init, dy.contiguous(), dfinal, ctx.activation, ctx.packing, ctx.l2, rstd
         )
         return dx, dw, db, dinit, None, None, None, None
 
@@ -450,12 +451,14 @@ class _ColumnsConv1dFunction(torch.autograd.Function):
         n = len(l2s)
         weights, biases = [w.contiguous() for w in params[:n]], params[n:]
         x = rows_in_place(x)
-        ys, start = [], 0
+        ys, rstds, start = [], [], 0
         for w, b, l2 in zip(weights, biases, l2s):
-            ys.append(conv_fwd(x[..., start:start + w.shape[0]], w, b, None, activation, packing, l2, l2_eps))
+            y, rstd = conv_fwd(x[..., start:start + w.shape[0]], w, b, None, activation, packing, l2, l2_eps)
+            ys.append(y)
+            rstds.append(rstd)
             start += w.shape[0]
-        ctx.save_for_backward(x, *weights, *biases)
-        ctx.packing, ctx.activation, ctx.l2s, ctx.l2_eps = packing, activation, l2s, l2_eps
+        ctx.save_for_backward(x, *weights, *biases, *rstds)
+        ctx.packing, ctx.activation, ctx.l2s = packing, activation, l2s
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -465,12 +468,11 @@ class _ColumnsConv1dFunction(torch.autograd.Function):
         n = len(ctx.l2s)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dws, dbs, start = [], [], 0
-        for w, b, l2, dy in zip(params[:n], params[n:], ctx.l2s, dys):
+        for w, b, rstd, l2, dy in zip(params[:n], params[n:2 * n], params[2 * n:], ctx.l2s, dys):
             cols = slice(start, start + w.shape[0])
             xi = x[..., cols]
             dy = torch.zeros_like(xi) if dy is None else dy.contiguous()
-            _, dw, db, _ = conv_bwd(xi, w, b, None, dy, None, ctx.activation, ctx.packing, l2, ctx.l2_eps,
-                                    dx=dx[..., cols])
+            _, dw, db, _ = conv_bwd(xi, w, b, None, dy, None, ctx.activation, ctx.packing, l2, rstd, dx=dx[..., cols])
             dws.append(dw)
             dbs.append(db)
             start += w.shape[0]

@@ -181,3 +181,31 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None
     """The bias's gradient, the column sums of ``g [rows, O]`` accumulated in fp32 and returned in
     the bias's ``dtype``; None where there is no bias (``dtype`` None)."""
     return None if dtype is None else g.sum(0, dtype=torch.float32).to(dtype)
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def resident_programs(kernel, key: tuple, *args, **kwargs) -> int:
+    """How many programs of ``kernel`` (a ``triton.jit`` function), compiled for these launch
+    arguments on the current CUDA device, one SM holds at once: the least of what its registers,
+    shared memory and warps leave room for. Compiled without a launch (``warmup``) once per
+    ``key``, which must name everything that selects the compiled kernel (constexprs, dtypes,
+    launch options). For launchers that size their grid to whole waves of the GPU."""
+    device = torch.cuda.current_device()
+    full = (device, *key)
+    if full not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()  # loads the module: the registers are known from here on
+        props = torch.cuda.get_device_properties(device)
+        warps = compiled.metadata.num_warps
+        # registers are given out per warp in units of 256 (8 per thread), and each of an SM's four
+        # schedulers holds its warps' registers in its own quarter of the register file: at 138
+        # registers a thread an SM holds 4 x 3 one-warp programs, not 65536 // 4608 = 14
+        per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+        by_regs = 4 * (getattr(props, "regs_per_multiprocessor", 65536) // 4 // per_warp)
+        fits = [by_regs // warps, getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32]
+        if compiled.metadata.shared:
+            fits.append(getattr(props, "shared_memory_per_multiprocessor", 233472) // compiled.metadata.shared)
+        _RESIDENT[full] = max(1, min(fits))
+    return _RESIDENT[full]

@@ -175,7 +175,7 @@ def bench_conv(args, dtype):
     row("F.conv1d depthwise + silu", *measure(depthwise, inputs, args.reps, args.warmup, with_peak=True))
     if args.sweep:
         dy = torch.randn_like(x)
-        calls = {"conv_fwd": lambda: conv_fwd(x, weight, bias, None, "silu", None),
+        calls = {"conv_fwd": lambda: conv_fwd(x, weight, bias, None, "silu", None)[0],
                  "conv_bwd": lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", None)}
         time_stages(calls, f"conv B={b} T={t} D={d}", CONV_SWEEP)
     conv_kernels_at_presets(dtype, args.tokens)
@@ -198,12 +198,14 @@ def preset_convs(presets=("gated_deltanet-1.3b", "mamba2-1.3b")) -> list[tuple[s
     found: dict[tuple, list[str]] = {}
     for preset in presets:
         mixer = first_block(preset).mixer
-        # a mixer with one input projection (Mamba2's in_proj) hands its conv a column slice of it
+        # a mixer with one input projection (Mamba2's in_proj) hands its conv a column slice of it,
+        # and the delta rules' layers read q, k and v as column blocks of one product in training
         proj = getattr(mixer, "in_proj", None)
+        convs = [m for m in mixer.modules() if isinstance(m, ShortConv)]
+        width = proj.out_features if proj else sum(c.weight.shape[0] for c in convs)
         for name, conv in mixer.named_modules():
             if isinstance(conv, ShortConv):
-                d = conv.weight.shape[0]
-                key = (preset, d, conv.l2_group or 0, conv.bias is not None, proj.out_features if proj else d)
+                key = (preset, conv.weight.shape[0], conv.l2_group or 0, conv.bias is not None, width)
                 found.setdefault(key, []).append(name)
     return [(f"{key[0]} {', '.join(names)}", *key[1:]) for key, names in found.items()]
 
@@ -214,7 +216,8 @@ def _conv_kernel_ms(x, weight, bias, dy, l2, packing=None):
 
     fwd = do_bench(lambda: conv_fwd(x, weight, bias, None, "silu", packing, l2), warmup=10, rep=100,
                    return_mode="median")
-    bwd = do_bench(lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", packing, l2), warmup=10, rep=100,
+    rstd = conv_fwd(x, weight, bias, None, "silu", packing, l2)[1]
+    bwd = do_bench(lambda: conv_bwd(x, weight, bias, None, dy, None, "silu", packing, l2, rstd), warmup=10, rep=100,
                    return_mode="median")
     return fwd, bwd
 

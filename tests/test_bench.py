@@ -64,13 +64,13 @@ def test_preset_shapes_are_the_ones_the_presets_run():
 
 def test_bench_fused_conv_shapes_are_the_models_own():
     """bench_fused times the convs the models build: Gated DeltaNet's q and k with their per-head
-    norm and its v (each from a projection of its own), Mamba2's xBC with a bias, read as a column
-    slice of its one input projection."""
+    norm and its v, read as column blocks of the one q, k, v product the layer trains with,
+    Mamba2's xBC with a bias, read as a column slice of its one input projection."""
     gdn, mamba = get_preset("gated_deltanet-1.3b"), get_preset("mamba2-1.3b")
     rows = {name: rest for name, *rest in bench_fused.preset_convs()}
     qk, v = gdn.num_heads * gdn.head_dim, int(gdn.num_heads * gdn.head_dim * gdn.expand_v)
-    assert rows["gated_deltanet-1.3b convs.0, convs.1"] == [qk, gdn.head_dim, False, qk]
-    assert rows["gated_deltanet-1.3b convs.2"] == [v, 0, False, v]
+    assert rows["gated_deltanet-1.3b convs.0, convs.1"] == [qk, gdn.head_dim, False, 2 * qk + v]
+    assert rows["gated_deltanet-1.3b convs.2"] == [v, 0, False, 2 * qk + v]
     d, l2, bias, width = rows["mamba2-1.3b conv"]
     assert (l2, bias) == (0, mamba.mamba_conv_bias) and width > d > mamba.hidden_size
 

@@ -186,7 +186,7 @@ class ChunkConvSSDFunction(torch.autograd.Function):
         initial_state = None if initial_state is None else initial_state.contiguous()
         packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, xbc.shape[1], device=xbc.device)
         plan = prepare_chunks(packing, xbc.shape[0], xbc.shape[1], device=xbc.device)
-        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", packing), dt.shape[2], groups,
+        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", packing)[0], dt.shape[2], groups,
                              state_size)
         o, final, gc, h, cb = _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan)
         ctx.save_for_backward(xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h, cb)
@@ -196,7 +196,7 @@ class ChunkConvSSDFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         xbc, conv_weight, conv_bias, dt, A, D, initial_state, gc, h, cb = ctx.saved_tensors
-        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing), dt.shape[2],
+        x, B, C = _split_xbc(conv_fwd(xbc, conv_weight, conv_bias, None, "silu", ctx.packing)[0], dt.shape[2],
                              ctx.groups, ctx.state_size)
         dx, ddt, dA, dB, dC, dD, dh0 = _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht,
                                                      ctx.plan)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ttr.kernels.common.index import TUNING
-from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, reference_causal_conv1d
+from ttr.kernels.conv import causal_conv1d, causal_conv1d_update, conv_bwd, conv_fwd, reference_causal_conv1d
+from ttr.kernels.conv_backward import wave_segment
 
 from .conftest import DEVICE, rel_rms
 
@@ -118,6 +119,40 @@ def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
     monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": 8, "BD": 16})
     x, weight, bias, h0 = make(2, 37, 64, 4)
     check(x, weight, bias, h0, activation="silu", l2_group=32)
+
+
+def test_conv_fwd_keeps_each_groups_inverse_norm(backend):
+    """With a norm the forward also returns each group's 1/norm, which the backward takes in place
+    of summing the group's squares again; without it none, and the backward refuses a norm
+    without it."""
+    if backend != "triton":
+        pytest.skip("conv_fwd is the Triton backend's forward")
+    x, weight, bias, _ = make(2, 21, 48, 4)
+    y, rstd = conv_fwd(x, weight, bias, None, "silu", None, l2=16, l2_eps=1e-6)
+    u, _ = reference_causal_conv1d(x.double(), weight.double(), bias.double(), activation="silu")
+    want = (u.unflatten(-1, (3, 16)).square().sum(-1) + 1e-6).rsqrt()
+    assert rstd.shape == (2, 21, 3) and rstd.dtype == torch.float32
+    assert rel_rms(rstd, want) < 1e-5
+    assert conv_fwd(x, weight, bias, None, "silu", None)[1] is None
+    with pytest.raises(ValueError, match="rstd"):
+        conv_bwd(x, weight, bias, None, torch.ones_like(y), None, "silu", None, l2=16)
+
+
+def test_wave_segment_fills_whole_waves():
+    """Walks sized so that rows x walks per row fill the waves that walks of 256 tokens would
+    round to: the presets' 128 rows of 4096 tokens on 132 SMs."""
+    for per_sm, seg in ((16, 256), (12, 344), (14, 296)):
+        got = wave_segment(4096, 128, per_sm * 132)
+        assert got == seg and got % 4 == 0
+        assert 128 * -(-4096 // got) <= per_sm * 132
+    # xBC's 272 rows: 2.06 waves of 256-token walks round to two, filled by walks of 276
+    assert wave_segment(4096, 272, 16 * 132) == 276
+    assert 272 * -(-4096 // 276) <= 2 * 16 * 132
+    # a short input takes at least ``least`` tokens per walk; a long one fills the waves it rounds to
+    assert wave_segment(100, 16, 2112) == 64
+    t = 1 << 20
+    waves = round(16 * t / 256 / 2112)
+    assert 16 * -(-t // wave_segment(t, 16, 2112)) <= waves * 2112
 
 
 def test_conv_l2_rows_have_unit_norm(backend):
@@ -272,7 +307,7 @@ def test_conv_gpu(monkeypatch, dtype, w):
 @pytest.mark.parametrize("packed", [False, True])
 def test_conv_l2_gpu(monkeypatch, dtype, packed):
     """The fused per-head L2 norm of the delta rules' q and k (128 channels) at a real size, packed
-    and in a batch (the backward launches with a register cap in one case and not in the other)."""
+    and in a batch."""
     tol = 5e-3 if dtype == torch.float32 else 1e-2
     lens = [1, 3, 1000, 4096, 2092]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
@@ -288,6 +323,35 @@ def test_conv_l2_gpu(monkeypatch, dtype, packed):
     for name, a, r in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, grads_ref):
         assert (a is None) == (r is None), name
         assert a is None or rel_rms(a, r) < tol, f"{name}: {rel_rms(a, r)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("l2", [0, 128])
+def test_gpu_walks_filling_whole_waves_equal_fixed_walks(monkeypatch, packed, l2):
+    """The backward's default walks (sized by the compiled kernel's programs per SM to fill whole
+    waves) give dx bit for bit as walks of 256 tokens do, and dw to fp32 rounding (the per-walk
+    partial sums are cut elsewhere); the walks fill at most the waves they round to."""
+    from ttr.kernels.common.index import prepare_packing, sm_count
+    from ttr.kernels.utils import _RESIDENT
+
+    b, t = (1, 16384) if packed else (4, 4096)
+    x = torch.randn(b, t, 6144, device=DEVICE, dtype=torch.bfloat16)[..., :2048]
+    weight = torch.randn(2048, 4, device=DEVICE) / 2
+    dy = torch.randn(b, t, 2048, device=DEVICE, dtype=torch.bfloat16)
+    pk = prepare_packing(torch.tensor([0, 5, 3000, 9000, t], device=DEVICE, dtype=torch.int32), t) if packed else None
+    _, rstd = conv_fwd(x, weight, None, None, "silu", pk, l2)
+    out = {}
+    for name, cfg in (("waves", {}), ("fixed", {"SEG": 256})):
+        monkeypatch.setitem(TUNING, "conv_bwd", cfg)
+        out[name] = conv_bwd(x, weight, None, None, dy, None, "silu", pk, l2, rstd)
+    assert torch.equal(out["waves"][0], out["fixed"][0])
+    assert rel_rms(out["waves"][1], out["fixed"][1]) < 1e-5
+    per_sm = [v for k, v in _RESIDENT.items() if "conv_bwd" in k and ("L2", l2) in k and ("IS_VARLEN", packed) in k]
+    assert per_sm and 1 <= per_sm[0] <= 32
+    seg = wave_segment(t, b * 16, per_sm[0] * sm_count(x.device))
+    waves = max(1, round(b * 16 * -(-t // 256) / (per_sm[0] * sm_count(x.device))))
+    assert b * 16 * -(-t // seg) <= waves * per_sm[0] * sm_count(x.device)
 
 
 @pytest.mark.gpu
