@@ -113,8 +113,9 @@ def _walk_token(t, t_lo, t_hi, i_n, bos, eos, b_xn, b_dy, b_r, b_x0, b_x1, b_x2,
                 EDGE: tl.constexpr):
     """One token of the backward walk (``_conv_bwd_kernel``): the pre-activation's gradient
     da(t) from dy(t), the inputs x(t-3..t) (b_x0..b_x2 carried, b_xn = x(t-3) loaded) and, with the
-    norm, the forward's 1/norm b_r of each group (so that only the norm's backward sums over a group), and
-    dx(t) = sum_s w[W-1-s] da(t+s) from the da of the W-1 tokens after t (b_d1..b_d3, carried).
+    norm, the forward's 1/norm b_r of each group (so that only the norm's backward sums over a
+    group), and dx(t) = sum_s w[W-1-s] da(t+s) from the da of the W-1 tokens after t (b_d1..b_d3,
+    carried).
     Returns da(t), dx(t), the sources s = 0..3 that dw's taps multiply (zero where unused) and the
     carried da(t+1), da(t+2), zeroed where they belong to the next sequence. Without ``EDGE`` the
     caller has checked that t lies inside the walk's segment, at least 3 tokens past its sequence's
@@ -176,10 +177,10 @@ def _walk_step(t, t_lo, t_hi, f_a, f_b, f_c, f_d, b_x0, b_x1, b_x2, b_d1, b_d2, 
                seq_idx, cu, i_b, T, o_d, m_d, D, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
                L2: tl.constexpr, BD: tl.constexpr, EDGE: tl.constexpr):
-    """Tokens t, t-1, t-2, t-3 of the walk (``_walk_token``) from their fetched rows: dx stored
-    (p_dx points at token t's row),
-    dw's and db's sums and the carried rows and da returned. Only a step at an edge reads its
-    tokens' sequences (id, first token, end): in packed input two dependent loads per token."""
+    """Tokens t, t-1, t-2, t-3 of the walk (``_walk_token``) from their fetched rows: dx stored (p_dx
+    points at token t's row), dw's and db's sums and the carried rows and da returned. Only a step
+    at an edge reads its tokens' sequences (id, first token, end): in packed input two dependent
+    loads per token."""
     for u in tl.static_range(4):
         if u == 0:
             b_xn, b_dy, b_r = f_a
