@@ -3,7 +3,8 @@
 The ops run once, forward and backward, at a short length (``--seqlen``, B = 2) and each preset
 shape of ``ttr bench`` under the Triton interpreter, in a child process (``TRITON_INTERPRET`` must
 be set before Triton is imported), which records each launch: the kernel, its argument types,
-constexprs, warps and pipeline stages. Ops without a delta rule run twice, once on each state
+constexprs, warps and pipeline stages. ``conv`` is the short convs at the 1.3B presets' conv shapes
+(read as column blocks of their projections, as the layers train), in a batch and packed. Ops without a delta rule run twice, once on each state
 pass (sequential and two-level), so both paths' kernels are listed. This process then compiles
 every distinct launch with the installed Triton for the target (default sm_90a, Hopper) and reads
 the machine code's resource use with the ``cuobjdump`` that Triton ships. Each argument is
@@ -90,12 +91,18 @@ def _record(self, *args, grid, warmup, **kwargs):
     params = inspect.signature(self.fn)
     bound = params.bind(*args, **kwargs)
     bound.apply_defaults()
+    plain = set(self.kwargs.get("do_not_specialize") or ())  # names or positions, as triton.jit takes them
     signature, constexprs, divisible = {}, {}, []
-    for name, param in params.parameters.items():
+    for i, (name, param) in enumerate(params.parameters.items()):
         value = bound.arguments[name]
         # annotations are strings in modules with postponed evaluation
         constexpr = param.annotation is tl.constexpr or "constexpr" in str(param.annotation)
-        kind, div = (None, False) if constexpr else _specialize(value)
+        if constexpr:
+            kind, div = None, False
+        elif name in plain or i in plain:
+            kind, div = _arg_type(value), False
+        else:
+            kind, div = _specialize(value)
         signature[name] = kind or "constexpr"
         if kind is None:
             constexprs[name] = value
@@ -107,16 +114,76 @@ def _record(self, *args, grid, warmup, **kwargs):
     return _record.original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
 
 
-def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqlen: int) -> list[dict]:
-    """Run in the interpreter process: the launches of each op's forward and backward."""
+def _recorded(label: str) -> list[dict]:
+    """The launches recorded since the last call, as rows of ``label``."""
+    out = [dict(shape=label, module=module, kernel=name, signature=json.loads(sig), constexprs=json.loads(const),
+                options=json.loads(opts), divisible=json.loads(div), launches=count)
+           for (module, name, sig, const, opts, div), count in _LAUNCHES.items()]
+    _LAUNCHES.clear()
+    return out
+
+
+def capture_convs() -> list[dict]:
+    """The short convs' launches (forward and backward) at the 1.3B presets' conv shapes
+    (``bench_fused.preset_convs``: x a column block of the projection it is read from), in a batch
+    and packed, with the GPU's launch parameters: the conv's launchers pick small blocks under the
+    interpreter, so they are made to take their GPU branch here, with walks of 256 tokens (a
+    runtime argument, which the GPU sizes from its SM count)."""
+    from unittest import mock
+
     import torch
+
+    from ttr.kernels import conv, conv_backward
+    from ttr.kernels.common.index import TUNING
+    from ttr.scripts.bench_fused import preset_convs
+
+    out = []
+    gpu = lambda: False  # noqa: E731
+    with mock.patch.object(conv, "interpreter_active", gpu), mock.patch.object(conv_backward, "interpreter_active", gpu), \
+            mock.patch.dict(TUNING, {"conv_bwd": {**TUNING.get("conv_bwd", {}), "SEG": 256}}):
+        for name, d, l2, bias, width in preset_convs():
+            for packed in (False, True):
+                torch.manual_seed(0)
+                # the length does not change the compiled kernels (16 and 32 keep T divisible by 16,
+                # as the presets' lengths are) and the interpreter's time grows with it
+                b, t = (1, 32) if packed else (2, 16)
+                x = torch.randn(b, t, width, dtype=torch.bfloat16)[..., :d].requires_grad_()
+                weight = torch.randn(d, 4) / 2
+                cu = torch.tensor([0, 7, t], dtype=torch.int32) if packed else None
+                y, _ = conv.causal_conv1d(x, weight, torch.zeros(d) if bias else None, activation="silu",
+                                          cu_seqlens=cu, l2_group=l2 or None)
+                y.backward(torch.randn_like(y))
+                out += _recorded(f"conv {name}" + (f" (L2 norm per {l2})" if l2 else "") + (" packed" if packed else ""))
+    return out
+
+
+def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqlen: int) -> list[dict]:
+    """Run in the interpreter process: the launches of each op's forward and backward (``conv``: the
+    short convs, ``capture_convs``), on the Triton backend. The interpreter's launch is recorded
+    inside this call only."""
     import triton.runtime.interpreter as interpreter
+
+    from ttr.kernels.utils import backend_override
+
+    _record.original = interpreter.InterpretedFunction.run
+    interpreter.InterpretedFunction.run = _record
+    try:
+        with backend_override("triton"):  # the Triton kernels on CPU tensors
+            out = capture_convs() if ops is None or "conv" in ops else []
+            ops = [o for o in ops if o != "conv"] if ops is not None else None
+            return out + (_capture_ops(ops, presets, shapes, seqlen) if ops != [] else [])
+    finally:
+        interpreter.InterpretedFunction.run = _record.original
+        _LAUNCHES.clear()
+
+
+def _capture_ops(ops, presets, shapes: str, seqlen: int) -> list[dict]:
+    """The launches of ``ttr bench``'s ops at their shapes (``capture``)."""
+    import torch
 
     from ttr.kernels.common import index
     from ttr.scripts import bench_kernels
 
-    _record.original = interpreter.InterpretedFunction.run
-    interpreter.InterpretedFunction.run = _record
     rows = bench_kernels.rows()
     out = []
     for shape, _, _ in bench_kernels.plan(shapes, ops, presets, [seqlen], seqlen):
@@ -136,12 +203,7 @@ def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqle
             finally:
                 for stage, cfg in saved.items():
                     index.TUNING[stage] = cfg
-            label = f"{shape.op} {shape.label()}"
-            for (module, name, sig, const, opts, div), count in _LAUNCHES.items():
-                out.append(dict(shape=label, module=module, kernel=name, signature=json.loads(sig),
-                                constexprs=json.loads(const), options=json.loads(opts),
-                                divisible=json.loads(div), launches=count))
-            _LAUNCHES.clear()
+            out += _recorded(f"{shape.op} {shape.label()}")
     return out
 
 
@@ -282,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ttr.scripts.kernel_resources",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default=None, help=f"comma-separated ops (default: all of {','.join(rows())})")
+    parser.add_argument("--ops", default=None,
+                        help=f"comma-separated ops (default: all of {','.join(rows())},conv; conv: the short convs)")
     parser.add_argument("--presets", default=None, help="comma-separated presets whose shapes to use")
     parser.add_argument("--shapes", default="preset", choices=SHAPE_SETS)
     parser.add_argument("--seqlen", type=int, default=128,
@@ -294,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    ops, presets = parse_selection(parser, args.ops, args.presets, list(rows()))
+    ops, presets = parse_selection(parser, args.ops, args.presets, [*rows(), "conv"])
     if args.seqlen < 1:
         parser.error("--seqlen must be positive")
     from ttr.kernels.utils import interpreter_active

@@ -512,6 +512,35 @@ def test_kernel_resources_compiles_an_ops_launches(tmp_path):
     assert refused.returncode == 2 and "without TRITON_INTERPRET" in refused.stderr
 
 
+def test_kernel_resources_captures_the_convs_gpu_launches(monkeypatch):
+    """The short convs' launches are recorded with the GPU's launch parameters (not the smaller
+    blocks their launchers take under the interpreter), in a batch and packed; the backward's walk
+    length is a runtime argument the GPU launcher does not specialize, so it is not marked; the
+    interpreter's launch is its own again afterwards."""
+    import triton.runtime.interpreter as interpreter
+
+    from ttr.kernels.utils import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip("records the interpreter's launches (TRITON_INTERPRET=1)")
+    run = interpreter.InterpretedFunction.run
+    # two small convs in the presets' form: q/k-like with the norm as a column block, v-like with a bias
+    monkeypatch.setattr(bench_fused, "preset_convs", lambda: [("qk", 256, 128, False, 768), ("v", 256, 0, True, 256)])
+    rows = kernel_resources.capture(["conv"], None, "preset", 64)
+    assert interpreter.InterpretedFunction.run is run
+    assert {r["shape"] for r in rows} == {"conv qk (L2 norm per 128)", "conv qk (L2 norm per 128) packed", "conv v",
+                                          "conv v packed"}
+    for r in rows:
+        if r["kernel"] == "_conv_bwd_kernel":
+            assert r["options"] == {"num_warps": 1, "maxnreg": 128} and r["constexprs"]["BD"] == 128, r
+            assert r["signature"]["SEG"] == "i32" and "SEG" not in r["divisible"], r
+        else:
+            assert r["kernel"] == "_conv_fwd_kernel" and r["options"] == {"num_warps": 4}, r
+            assert (r["constexprs"]["BT"], r["constexprs"]["BD"]) == (16, 256), r
+    assert {r["constexprs"]["IS_VARLEN"] for r in rows} == {False, True}
+    assert {r["constexprs"]["L2"] for r in rows} == {0, 128}
+
+
 def test_kernel_resources_specializes_arguments_as_the_gpu_launcher():
     """Aligned pointers and ints divisible by 16 are marked, an offset view and 17 are not, an int
     equal to 1 is a constant, as Triton's launcher specializes them on a GPU."""
