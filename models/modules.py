@@ -93,7 +93,7 @@ class _SharedInputLinear(torch.autograd.Function):
             gs = [grads[i].reshape(-1, widths[i]) if grads[i] is not None else None for i in group]
             if all(g is None for g in gs):
                 continue
-            if joined and group[0] == 0 and whole is not None:
+            if joined and group[0] == 0:  # some block has a gradient, so ``whole`` is there
                 g2 = whole
             else:
                 g2 = gs[0] if len(group) == 1 else torch.cat(

@@ -136,11 +136,12 @@ def capture_convs() -> list[dict]:
     from ttr.kernels import conv, conv_backward
     from ttr.kernels.common.index import TUNING
     from ttr.scripts.bench_fused import preset_convs
+    from ttr.scripts.bench_utils import tuning_override
 
     out = []
     gpu = lambda: False  # noqa: E731
     with mock.patch.object(conv, "interpreter_active", gpu), mock.patch.object(conv_backward, "interpreter_active", gpu), \
-            mock.patch.dict(TUNING, {"conv_bwd": {**TUNING.get("conv_bwd", {}), "SEG": 256}}):
+            tuning_override({**TUNING, "conv_bwd": {**TUNING.get("conv_bwd", {}), "SEG": 256}}):
         for name, d, l2, bias, width in preset_convs():
             for packed in (False, True):
                 torch.manual_seed(0)

@@ -121,12 +121,10 @@ def test_conv_l2_group_wider_than_the_block(backend, monkeypatch):
     check(x, weight, bias, h0, activation="silu", l2_group=32)
 
 
-def test_conv_fwd_keeps_each_groups_inverse_norm(backend):
-    """With a norm the forward also returns each group's 1/norm, which the backward takes in place
-    of summing the group's squares again; without it none, and the backward refuses a norm
+def test_conv_fwd_keeps_each_groups_inverse_norm():
+    """With a norm the Triton forward also returns each group's 1/norm, which the backward takes in
+    place of summing the group's squares again; without it none, and the backward refuses a norm
     without it."""
-    if backend != "triton":
-        pytest.skip("conv_fwd is the Triton backend's forward")
     x, weight, bias, _ = make(2, 21, 48, 4)
     y, rstd = conv_fwd(x, weight, bias, None, "silu", None, l2=16, l2_eps=1e-6)
     u, _ = reference_causal_conv1d(x.double(), weight.double(), bias.double(), activation="silu")
