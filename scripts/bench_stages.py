@@ -41,7 +41,13 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states
     from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-    from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
+    from ttr.kernels.common.state import (
+        state_bwd,
+        state_fwd,
+        walk_forms_dv,
+        walk_forms_output,
+        walk_reads_scores,
+    )
     from ttr.kernels.common.wy import wy_bwd, wy_fwd
     from ttr.kernels.delta.chunk import backward_states
     from ttr.scripts.bench_utils import Stages
@@ -49,27 +55,31 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     def forward_walk():
         # as the op runs it: the walk forms the output (writing the states only where the op keeps
         # them), or ``output_fwd`` reads its states after it (``TUNING["state_fwd"]["output"]`` chooses)
-        if walk_forms_output(gated):
-            return state_fwd(k, u, plan, w=w, g=gc, q=q, scale=scale, keep_h=keep_states(plan))[3]
+        if walk_forms_output(gated, scores is not None):
+            return state_fwd(k, u, plan, w=w, g=gc, q=q, scale=scale, keep_h=keep_states(plan), scores=scores)[3]
         h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
         return output_fwd(q, k, vn, h, plan, scale=scale, g=gc)
 
     def backward_walk():
         # as the op runs it: the walk forms the intra-chunk dv, or takes it from ``output_bwd_dv``,
         # timed with the walk (``TUNING["state_bwd"]["intra_dv"]`` chooses; the default by the gate)
-        intra = walk_forms_dv(gated)
+        intra = walk_forms_dv(gated, scores is not None)
         dvl = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
-        return state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc, intra_dv=intra)
+        return state_bwd(q, k, do, dvl, plan, scale=scale, w=w, g=gc, intra_dv=intra,
+                         scores=scores if intra else None)
 
     x, do, scale, plan = _stage_inputs(delta_inputs(gated), B, T, device)
     q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x.get("g")
     gc = chunk_local_cumsum(g, plan) if gated else None
-    w, u, Ai = wy_fwd(k, v, beta, plan, g=gc)
+    # with a gate the WY forward also forms the scores the walks read (``walk_reads_scores``)
+    qs = q if walk_reads_scores(gated, B * q.shape[2], v.shape[3], q.device) else None
+    w, u, Ai, *kept = wy_fwd(k, v, beta, plan, g=gc, q=qs)
+    scores = kept[0] if kept else None
     h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)
     dh, _, dv2 = backward_walk()
     dq, dk, dw, dg = output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2)
     calls = Stages({
-        "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc),
+        "wy_fwd": lambda: wy_fwd(k, v, beta, plan, g=gc, q=qs),
         "wy_fwd_reuse": lambda: wy_fwd(k, v, beta, plan, g=gc, Ai=Ai),
         "state_fwd": forward_walk,
         "state_bwd": backward_walk,

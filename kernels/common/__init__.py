@@ -18,10 +18,11 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
 - ``cumsum.chunk_local_cumsum(g, plan, *, reverse=False, scale=None) -> g_cum`` (fp32, ``[B,T,H]`` or
   ``[B,T,H,K]``; ``scale [H]`` multiplies each head's terms). Its backward is the same call with
   ``reverse=True``.
-- ``wy.wy_fwd(k, v, beta, plan, *, g=None) -> (w, u, Ainv)``:
+- ``wy.wy_fwd(k, v, beta, plan, *, g=None, Ai=None, q=None) -> (w, u, Ainv)``:
   ``A = tril(diag(beta) K K^T ⊙ Γ, -1)``, ``Γ_ij = exp(g_i - g_j)`` (1 without g),
   ``Ainv = (I + A)^-1`` (``[B,T,H,BT]`` in k's dtype, formed in fp32), ``T = Ainv diag(beta)``,
-  ``w = T (k ⊙ exp(g))``, ``u = T v``.
+  ``w = T (k ⊙ exp(g))``, ``u = T v``. With ``q`` also the chunks' scores ``q k^T ⊙ causal ⊙ Γ``
+  (``[B,T,H,BT]`` in q's dtype), fourth, for the state walks to read (``state.walk_reads_scores``).
 - ``wy.wy_bwd(k, v, beta, Ainv, dw, du, plan, *, g=None, dk=None, dg=None)
   -> (dk, dv, dbeta, dg)``: adds the WY gradients to ``dk`` (fp32 partial or None) and to ``dg``
   (cumulative-gate space) and returns ``dg`` already mapped back to the raw gate (reverse cumsum).
@@ -31,13 +32,14 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``h <- exp(g_last) h + (k ⊙ exp(g_last - g))^T v_new`` (per key row with ``gk``). ``u_scale``
   (``[B,T,H]``, without ``w``) scales u's rows inside the pass (SSD's ``v = x dt``; v_new None).
   With ``q`` the walk also forms ``output_fwd``'s o and returns it fourth (``keep_h=False``: h is
-  not written, None); ``state.walk_forms_output`` says when the delta rules ask it to.
+  not written, None; ``scores``: it reads ``wy_fwd``'s scores instead of forming them);
+  ``state.walk_forms_output`` says when the delta rules ask it to.
 - ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
-  need_dh0=False, intra_dv=False) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state
+  need_dh0=False, intra_dv=False, scores=None) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state
   *after* chunk c, ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its
   full gradient (``dv=None``, without ``w``: dh alone and ``dv2`` None, for a caller that forms it
   itself; ``dv=None, intra_dv=True``: the walk forms ``output_bwd_dv``'s dv from the tiles it
-  loads, ``state.walk_forms_dv`` says when the delta rules ask it to).
+  loads, or from ``scores``, ``state.walk_forms_dv`` says when the delta rules ask it to).
 - ``output.output_fwd(q, k, v_new, h, plan, *, scale, g=None) -> o``:
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of

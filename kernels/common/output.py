@@ -46,23 +46,26 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.
         b_A += tl.dot(b_q, b_k)
     p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
     p_o, m_o = tile(o + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-    b_o = chunk_output(b_o, b_A, tl.load(p_v, mask=m_v, other=0.), g, bos, i_c, T, i_h, scale, H, BT, USE_G)
+    b_o = chunk_output(b_o, b_A, tl.load(p_v, mask=m_v, other=0.), g, bos, i_c, T, i_h, scale, H, BT, USE_G, False)
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
 def chunk_output(b_o, b_A, b_v, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr,
-                 USE_G: tl.constexpr):
+                 USE_G: tl.constexpr, SCORED: tl.constexpr):
     """One chunk's output from its two products, ``b_o = q h`` (``[BT, BV]``) and ``b_A = q k^T``
     (``[BT, BT]``), both fp32, and its values ``b_v``: ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙
-    Γ) v)`` (``output_fwd``'s, and the state walk's when it forms the output)."""
+    Γ) v)`` (``output_fwd``'s, and the state walk's when it forms the output). ``SCORED``: ``b_A``
+    is already ``q k^T ⊙ causal ⊙ Γ`` in the values' dtype (the scores ``wy_fwd`` keeps)."""
     o_i = tl.arange(0, BT)
     m_A = o_i[:, None] >= o_i[None, :]
     if USE_G:
         b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_o *= fast_exp(b_g)[:, None]
-        b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-    b_A = tl.where(m_A, b_A, 0.)
+        if not SCORED:
+            b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
+    if not SCORED:
+        b_A = tl.where(m_A, b_A, 0.)
     return (b_o + tl.dot(b_A.to(b_v.dtype), b_v)) * scale
 
 

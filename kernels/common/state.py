@@ -83,15 +83,17 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqlens, chunk_offsets, H: tl.constexpr,
-                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                     USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
-                     OUTPUT: tl.constexpr):
+def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, scale, cu_seqlens, chunk_offsets,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
+                     USE_GK: tl.constexpr, USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                     STORE_H: tl.constexpr, OUTPUT: tl.constexpr, KEPT_S: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
     # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
     # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
-    # q, k and v_new tiles; STORE_H off: the states are not written (nothing reads them).
+    # q, k and v_new tiles; KEPT_S: it reads the chunk's scores ``q k^T ⊙ causal ⊙ Γ`` from ``s``
+    # (``wy.wy_fwd``'s) instead of forming them; STORE_H off: the states are not written (nothing
+    # reads them).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -122,7 +124,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
             tl.static_assert(not SPLIT, "the walk forms the output at K <= 128 (state_fwd)")
             b_q = _load_half(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
             b_o = tl.dot(b_q, b_h.to(b_q.dtype))
-            b_A = tl.dot(b_q, b_k)
+            if KEPT_S:
+                b_A = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
+            else:
+                b_A = tl.dot(b_q, b_k)
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
             b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
@@ -138,7 +143,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
         if OUTPUT:
-            b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G)
+            b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G, KEPT_S)
             _store_half(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_US:
             # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
@@ -168,13 +173,14 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, o, scale, cu_seqle
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
+def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
-                     INTRA_DV: tl.constexpr):
+                     INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr):
     # INTRA_DV: the output's intra-chunk dv, scale (q k^T ⊙ causal ⊙ Γ)^T do, is formed here from the
-    # q, k and do tiles the step loads anyway (``output.output_bwd_dv``'s product) instead of read
+    # q, k and do tiles the step loads anyway (``output.output_bwd_dv``'s product) instead of read;
+    # KEPT_S: from the kept scores ``q k^T ⊙ causal ⊙ Γ`` in ``s`` (``wy.wy_fwd``'s) and do
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -209,8 +215,12 @@ def state_bwd_kernel(q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, cu_seqlens, chun
         if INTRA_DV:
             # [j, i] = k_j . q_i, off the chain of dh: only its sum with k dh waits for the chain
             tl.static_assert(not SPLIT, "the walk forms dv at K <= 128 (state_bwd)")
-            b_A = tl.dot(tl.trans(b_kT), b_q)
-            b_dv = tl.dot(dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G).to(b_do.dtype), b_do)
+            if KEPT_S:
+                b_S = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
+                b_dv = tl.dot(tl.trans(b_S), b_do) * scale
+            else:
+                b_A = tl.dot(tl.trans(b_kT), b_q)
+                b_dv = tl.dot(dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G).to(b_do.dtype), b_do)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
@@ -497,31 +507,52 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
     cfg.pop("two_level", None)
     cfg.pop("intra_dv", None)
     cfg.pop("output", None)
+    cfg.pop("scores", None)
     return cfg
 
 
-def walk_forms_output(gated: bool) -> bool:
+def walk_reads_scores(gated: bool, walks: int, V: int, device) -> bool:
+    """Whether the delta rules' forward has ``wy.wy_fwd`` form the chunks' scores ``q k^T ⊙ causal ⊙
+    Γ`` (in q's dtype, kept for the backward) for the state walks to read (``state_fwd(...,
+    scores=)``, ``state_bwd(..., scores=)``) instead of the output's launches forming them;
+    ``walks`` is the (sequence, head) pairs, ``TUNING["state_fwd"]["scores"]`` overrides. By default
+    with a gate, where those walks fill the GPU with value blocks of 64. Each walk's step then holds
+    neither the scores' fp32 tile nor the gate's ``[BT, BT]`` tile and masks, which spilled the gated
+    walks that formed them, and the w, u launch, which loads k and the gate anyway, adds q's tile,
+    one product and the scores' store. On narrower value blocks every block's program loads q's and
+    the scores' tiles and forms its share of ``q h`` again, where the launches do that once per
+    chunk: on an H200 (bf16, 16 heads of K = V = 128) Gated DeltaNet's op timed faster with the kept
+    scores at 8 x 2048 and 4 x 4096 and slower at 2 x 8192 and 1 x 16384 (docs/benchmarks.md).
+    Without a gate the walk's own ``q k^T`` is off its chain and costs less than the scores'
+    round trip."""
+    full = walks * cdiv(V, 64) >= 0.9 * sm_count(device)
+    return bool(tuned("state_fwd", scores=gated and full)["scores"])
+
+
+def walk_forms_output(gated: bool, scores: bool = False) -> bool:
     """Whether the delta rules' forward has the state walk form the output (``state_fwd(..., q=q)``)
     rather than launching ``output.output_fwd`` after it; ``TUNING["state_fwd"]["output"]``
-    overrides. By default only without a gate. On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048
-    to 1 x 16384) DeltaNet's walk forming the output timed faster than its walk and the output
-    launch (254 registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's slower: its walk
-    with the output and the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps;
-    8 bytes on 8, and no faster), and written not to spill (scores cast to bf16 at once, value
-    blocks of 32) it still lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly
-    double each step's instructions."""
-    return bool(tuned("state_fwd", output=not gated)["output"])
+    overrides. By default without a gate, and with one where the walk reads the kept scores
+    (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
+    16384) DeltaNet's walk forming the output timed faster than its walk and the output launch (254
+    registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's forming its scores itself
+    slower: the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on
+    8, and no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it
+    still lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly double each
+    step's instructions."""
+    return bool(tuned("state_fwd", output=not gated or scores)["output"])
 
 
-def walk_forms_dv(gated: bool) -> bool:
+def walk_forms_dv(gated: bool, scores: bool = False) -> bool:
     """Whether the delta rules' backward hands the output's intra-chunk dv to the state walk to form
     (``state_bwd(..., intra_dv=True)``) rather than launching ``output.output_bwd_dv`` for it first;
-    ``TUNING["state_bwd"]["intra_dv"]`` overrides. By default only without a gate. On an H200 (bf16,
-    16 heads of K = V = 128, the walk with the dv it needs, 8 x 2048 to 1 x 16384) DeltaNet's one
-    launch timed faster than two. With a gate the one walk loses: its scores' gate tile takes the
+    ``TUNING["state_bwd"]["intra_dv"]`` overrides. By default without a gate, and with one where the
+    walk reads the kept scores (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of
+    K = V = 128, the walk with the dv it needs, 8 x 2048 to 1 x 16384) DeltaNet's one launch timed
+    faster than two. With a gate the walk forming its scores itself loses: their gate tile takes the
     walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton 3.6,
     ``kernel_resources``), and on 4 warps over value blocks of 32 it still lost (docs/benchmarks.md)."""
-    return bool(tuned("state_bwd", intra_dv=not gated)["intra_dv"])
+    return bool(tuned("state_bwd", intra_dv=not gated or scores)["intra_dv"])
 
 
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
@@ -573,7 +604,8 @@ def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: C
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-              q: torch.Tensor | None = None, scale: float = 1.0, keep_h: bool = True):
+              q: torch.Tensor | None = None, scale: float = 1.0, keep_h: bool = True,
+              scores: torch.Tensor | None = None):
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     ``u_scale`` (``[B, T, H]`` fp32, not with ``w``): the values are ``u * u_scale[..., None]``, scaled
@@ -585,11 +617,15 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     o)``: the walk holds each chunk's state and loads its k and values anyway, so it adds q's tile
     and three products per step instead of a launch that reads the states back (sequential walk
     only; before the two-level pass, or at K > 128, that launch). ``keep_h=False``: h is not
-    needed after the call and is not written (None)."""
+    needed after the call and is not written (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙
+    causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)`` formed, which the walk then reads instead of forming
+    them (``walk_reads_scores``)."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
     if q is not None and (gk is not None or u_scale is not None):
         raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none, and no u_scale")
+    if scores is not None and q is None:
+        raise ValueError("state_fwd: scores are read by the walk that forms the output (pass q)")
     two_level = _two_level("state_fwd", w, plan, gk, heads=u.shape[2])
     if q is not None and (k.shape[3] > 128 or two_level):
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g, initial_state=initial_state,
@@ -610,10 +646,10 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     o = torch.empty_like(u) if q is not None else None
     state_fwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, o, scale, plan.cu_seqlens, plan.chunk_offsets, H=H,
-        HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None,
+        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, scores, o, scale, plan.cu_seqlens, plan.chunk_offsets,
+        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None,
         USE_GK=gk is not None, USE_US=u_scale is not None, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, **cfg)
+        STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, KEPT_S=scores is not None, **cfg)
     if q is not None:
         return h, v_new, ht, o
     return h, (v_new if u_scale is None else None), ht
@@ -622,15 +658,18 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
 def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor | None, plan: ChunkPlan, *,
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
               gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False,
-              intra_dv: bool = False):
+              intra_dv: bool = False, scores: torch.Tensor | None = None):
     """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
     dtype; None when ``dv`` is None, for a caller that forms the state's share of dv itself, which
     the delta rule, whose ``dh`` reads ``dv2``, cannot). With ``intra_dv`` (``dv`` None, a scalar
     gate or none) ``dv`` is the output stage's intra-chunk gradient, ``output.output_bwd_dv(q, k, do,
     plan, scale=scale, g=g)``, which the walk forms from the tiles it loads anyway: one launch and
     one round trip of a ``v``-sized tensor less (at K <= 128; beyond, and before the two-level
-    pass, it is that launch). Without ``w`` and with long sequences the two-level pass
-    (``_two_level``)."""
+    pass, it is that launch). ``scores`` (with ``intra_dv``): the chunks' kept ``q k^T ⊙ causal ⊙ Γ``
+    (``wy.wy_fwd(..., q=q)``), from which the walk forms that dv instead of from q and k. Without
+    ``w`` and with long sequences the two-level pass (``_two_level``)."""
+    if scores is not None and not intra_dv:
+        raise ValueError("state_bwd: scores are read by the walk that forms the intra-chunk dv (intra_dv=True)")
     if intra_dv:
         if dv is not None or gk is not None:
             raise ValueError("state_bwd: intra_dv forms dv itself (dv must be None) and takes a scalar gate, not gk")
@@ -655,8 +694,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     dv2 = torch.empty_like(do) if intra_dv else None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        q, k, w, g, gk, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets, scale, H=H, HK=HK, K=K,
-        V=V,
-        BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None, USE_GK=gk is not None,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, USE_DV=dv2 is not None, INTRA_DV=intra_dv, **cfg)
+        q, k, w, g, gk, scores if intra_dv else None, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
+        scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
+        USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
+        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=intra_dv and scores is not None, **cfg)
     return dh, dh0, dv2

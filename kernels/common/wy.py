@@ -164,16 +164,24 @@ def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, H: tl.conste
 
 
 @triton.jit
-def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
-    """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``."""
+def wy_fwd_kernel(k, v, beta, g, w, u, Ai, q, s, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                  SCORES: tl.constexpr):
+    """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``; ``SCORES``: also the
+    chunk's ``s = q k^T ⊙ causal ⊙ Γ`` (in s's dtype, the layout of ``Ai``), from the k tiles
+    loaded for w."""
     i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
                                                                         USE_G)
     b_T = tl.load(Ai + o_A, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
+    if SCORES:
+        b_S = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         p_w, m_w = tile(w + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
         b_k = tl.load(p_k, mask=m_k, other=0.)
+        if SCORES:
+            p_q, m_q = tile(q + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
+            b_S += tl.dot(tl.load(p_q, mask=m_q, other=0.), tl.trans(b_k))
         if USE_G:
             b_k = (b_k * fast_exp(b_g)[:, None]).to(b_k.dtype)
         b_w = tl.dot(b_T.to(b_k.dtype), b_k)
@@ -184,6 +192,12 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, cu_seqlens, chunk_indices, H: tl.cons
         b_v = tl.load(p_v, mask=m_v, other=0.)
         b_u = tl.dot(b_T.to(b_v.dtype), b_v)
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_u)
+    if SCORES:
+        # as ``output.chunk_output`` forms them: the gate's factors in fp32, one rounding to s's dtype
+        m_S = o_i[:, None] >= o_i[None, :]
+        if USE_G:
+            b_S *= fast_exp(tl.where(m_S, b_g[:, None] - b_g[None, :], 0.))
+        tl.store(s + o_A, tl.where(m_S, b_S, 0.).to(s.dtype.element_ty), mask=m_t[:, None])
 
 
 @triton.jit
@@ -276,9 +290,13 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan, *,
-           g: torch.Tensor | None = None, Ai: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """With ``Ai`` (from an earlier call on the same inputs) the inverse is reused, not recomputed."""
+           g: torch.Tensor | None = None, Ai: torch.Tensor | None = None, q: torch.Tensor | None = None):
+    """Returns ``(w, u, Ai)``. With ``Ai`` (from an earlier call on the same inputs) the inverse is
+    reused, not recomputed. With ``q`` (``[B,T,H,K]``, k's heads) also the chunks' scores ``q k^T ⊙
+    causal ⊙ Γ`` (``[B,T,H,BT]`` in q's dtype, laid out as ``Ai``), fourth, for the state walks to
+    read (``state.walk_reads_scores``)."""
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"wy_fwd: q must have k's shape {tuple(k.shape)}, got {tuple(q.shape)}")
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT = plan.chunk_size
@@ -294,9 +312,10 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
         Ai = torch.empty(B, T, H, BT, device=k.device, dtype=k.dtype)
         wy_inverse_kernel[grid](k, beta, g, scratch, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=BT, BK=BK,
                                 USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
-    wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=BT, BK=BK,
-                        BV=BV, USE_G=g is not None, **tuned("wy_fwd", num_warps=4))
-    return w, u, Ai
+    scores = None if q is None else torch.empty(B, T, H, BT, device=k.device, dtype=q.dtype)
+    wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, q, scores, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=BT,
+                        USE_G=g is not None, SCORES=q is not None, **tuned("wy_fwd", BK=BK, BV=BV, num_warps=4))
+    return (w, u, Ai) if q is None else (w, u, Ai, scores)
 
 
 def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tensor, dw: torch.Tensor,

@@ -1,11 +1,12 @@
 """Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
 
-Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1) -> state pass (h, v_new) -> output,
-which without a gate the state walk forms itself from the states it holds (``state.walk_forms_output``:
-the states are then written only if kept).
+Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1, and with a gate the chunks' scores
+``q k^T ⊙ causal ⊙ Γ``, kept: ``state.walk_reads_scores``) -> state pass (h, v_new) -> output,
+which the state walk forms itself from the states it holds (``state.walk_forms_output``: the states
+are then written only if kept).
 Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below), then: reverse
 state pass (dh, dh0, and the full dv, whose intra-chunk part the walk forms from the q, k and do
-tiles it reads anyway, or, with a gate, a launch before it: ``state.walk_forms_dv``) -> dq, dk, dw,
+tiles it reads anyway, or with a gate from the kept scores: ``state.walk_forms_dv``) -> dq, dk, dw,
 dg -> WY backward (dk, dv, dbeta, dg), whose last step maps dg from cumulative back to raw gates.
 
 Keep or recompute (``TTR_CHUNK_STATES``, ``index.chunk_states``): the backward needs w, h and
@@ -27,7 +28,7 @@ import torch
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks
 from ttr.kernels.common.output import dqk_walks, output_bwd_dqk, output_bwd_dv, output_fwd
-from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output
+from ttr.kernels.common.state import state_bwd, state_fwd, walk_forms_dv, walk_forms_output, walk_reads_scores
 from ttr.kernels.common.wy import wy_bwd, wy_fwd
 
 
@@ -53,24 +54,30 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         B, T = q.shape[:2]
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
-        w, u, Ai = wy_fwd(k, v, beta, plan, g=g_cum)
-        states = backward_states(plan, q.shape[2], k.shape[3], v.shape[3], q.device, gated=g is not None)
+        gated = g is not None
+        # the kept scores serve the walks only at K <= 128 (beyond, the output's launches form them)
+        if walk_reads_scores(gated, plan.num_seqs * q.shape[2], v.shape[3], q.device) and k.shape[3] <= 128:
+            w, u, Ai, scores = wy_fwd(k, v, beta, plan, g=g_cum, q=q)
+        else:
+            (w, u, Ai), scores = wy_fwd(k, v, beta, plan, g=g_cum), None
+        states = backward_states(plan, q.shape[2], k.shape[3], v.shape[3], q.device, gated=gated)
         keep_h = states == "kept"
-        if walk_forms_output(gated=g is not None):
+        if walk_forms_output(gated, scores is not None):
             h, v_new, ht, o = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
-                                        output_final_state=output_final_state, q=q, scale=scale, keep_h=keep_h)
+                                        output_final_state=output_final_state, q=q, scale=scale, keep_h=keep_h,
+                                        scores=scores)
         else:
             h, v_new, ht = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=initial_state,
                                      output_final_state=output_final_state)
             o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
         kept = (w, h, v_new) if keep_h else () if states == "recompute" else (w, v_new)
-        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, *kept)
+        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, scores, *kept)
         ctx.plan, ctx.scale, ctx.states = plan, scale, states
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, Ai, h0, *kept = ctx.saved_tensors
+        q, k, v, g_cum, beta, Ai, h0, scores, *kept = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
@@ -82,10 +89,10 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
-        intra = walk_forms_dv(gated=g_cum is not None)
+        intra = walk_forms_dv(g_cum is not None, scores is not None)
         dv = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
         dh, dh0, dv = state_bwd(q, k, do, dv, plan, scale=scale, w=w, g=g_cum, dht=dht, need_dh0=h0 is not None,
-                                intra_dv=intra)
+                                intra_dv=intra, scores=scores if intra else None)
         dq, dk, dw, dg = output_bwd_dqk(q, k, v_new, h, dh, do, plan, scale=scale, g=g_cum, dv=dv, h0=h0)
         dk, dv, dbeta, dg = wy_bwd(k, v, beta, Ai, dw, dv, plan, g=g_cum, dk=dk, dg=dg)
         if dh0 is not None:

@@ -44,6 +44,23 @@ def reference_states(k, v, g, gk, h0, B, T, cu, chunk=64):
     return torch.stack(starts), torch.stack(finals)
 
 
+def reference_scores(q, k, gc, H, B, T, cu, chunk=64):
+    """The chunks' ``q k^T ⊙ causal ⊙ Γ`` (float64) in ``wy_fwd``'s layout ``[B, T, H, chunk]``: row t
+    holds row t mod chunk of its chunk's scores; q and k's heads shared by H / HK consecutive heads."""
+    rep = H // q.shape[2]
+    q, k = q.double().repeat_interleave(rep, 2), k.double().repeat_interleave(rep, 2)
+    S = torch.zeros(B, T, H, chunk, dtype=torch.float64)
+    for b, s, e in spans(B, T, cu):
+        for c in range(s, e, chunk):
+            n = min(chunk, e - c)
+            A = torch.einsum("ihd,jhd->hij", q[b, c:c + n], k[b, c:c + n])
+            if gc is not None:
+                gg = gc[b, c:c + n].double().t()
+                A = A * (gg[:, :, None] - gg[:, None, :]).clamp(max=0).exp()
+            S[b, c:c + n, :, :n] = A.tril().permute(1, 0, 2)
+    return S
+
+
 def test_host_launch_arithmetic_is_tritons():
     """The launchers' int helpers give what Triton's constexpr functions give, without their cost."""
     assert [next_power_of_2(n) for n in range(-3, 300)] == [triton.next_power_of_2(n) for n in range(-3, 300)]
@@ -255,9 +272,13 @@ def test_state_backward_forms_the_intra_chunk_dv(monkeypatch, B, T, cu, gated, u
     dv = output_bwd_dv(q, k, do, plan, scale=0.5, g=gc)
     two = state_bwd(q, k, do, dv, plan, scale=0.5, w=w, g=gc, need_dh0=True)
     one = state_bwd(q, k, do, None, plan, scale=0.5, w=w, g=gc, need_dh0=True, intra_dv=True)
-    for a, b in zip(one, two):
+    S = reference_scores(q, k, gc, H, B, T, cu).float()
+    kept = state_bwd(q, k, do, None, plan, scale=0.5, w=w, g=gc, need_dh0=True, intra_dv=True, scores=S)
+    for a, b in zip(one + kept, two + two):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="state_bwd: scores"):
+        state_bwd(q, k, do, dv, plan, scale=0.5, w=w, g=gc, scores=S)
     with pytest.raises(ValueError, match="intra_dv"):
         state_bwd(q, k, do, dv, plan, scale=0.5, w=w, g=gc, intra_dv=True)
     with pytest.raises(ValueError, match="intra_dv"):
@@ -293,23 +314,44 @@ def test_state_forward_forms_the_output(monkeypatch, B, T, cu, gated, use_w, hea
     assert (h1 is None) == walked
     h2 = state_fwd(k, u, plan, w=w, g=gc, initial_state=h0, q=q, scale=0.5)[0]
     torch.testing.assert_close(h2, h)
+    # the walk reading the kept scores (``wy_fwd(..., q=q)``'s) instead of forming them
+    S = reference_scores(q, k, gc, H, B, T, cu).float()
+    o3 = state_fwd(k, u, plan, w=w, g=gc, initial_state=h0, output_final_state=True, q=q, scale=0.5, keep_h=False,
+                   scores=S)[3]
+    torch.testing.assert_close(o3, o, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="state_fwd: q"):
         state_fwd(k, u, plan, gk=torch.zeros(B, T, HK, K), q=q)
+    with pytest.raises(ValueError, match="state_fwd: scores"):
+        state_fwd(k, u, plan, w=w, g=gc, scores=S)
 
 
 @pytest.mark.parametrize("choice,stage,key", [("walk_forms_output", "state_fwd", "output"),
                                               ("walk_forms_dv", "state_bwd", "intra_dv")])
-def test_the_delta_rules_walks_form_their_products_without_a_gate_only(monkeypatch, choice, stage, key):
-    """The delta rules' default: the walks form the output and the intra-chunk dv without a gate,
-    launches before or after them with one; ``TUNING[stage][key]`` overrides either way."""
+def test_the_delta_rules_walks_form_their_products(monkeypatch, choice, stage, key):
+    """The delta rules' default: the walks form the output and the intra-chunk dv, with a gate only
+    from kept scores, launches before or after them without; ``TUNING[stage][key]`` overrides either
+    way."""
     from ttr.kernels.common import index, state
 
     forms = getattr(state, choice)
-    assert forms(gated=False) and not forms(gated=True)
+    assert forms(gated=False) and forms(gated=True, scores=True) and not forms(gated=True)
     monkeypatch.setitem(index.TUNING, stage, {key: True})
     assert forms(gated=True)
     monkeypatch.setitem(index.TUNING, stage, {key: False})
-    assert not forms(gated=False)
+    assert not forms(gated=False) and not forms(gated=True, scores=True)
+
+
+def test_the_gated_walks_read_kept_scores_where_they_fill_the_gpu(monkeypatch):
+    """With a gate the scores are kept where the walks fill the GPU with value blocks of 64 (132 SMs:
+    16 heads of V = 128 at 4 sequences, not at 2), never without one; ``TUNING`` overrides."""
+    from ttr.kernels.common import index, state
+
+    monkeypatch.setattr(state, "sm_count", lambda device: 132)
+    reads = state.walk_reads_scores
+    assert reads(True, 4 * 16, 128, "cuda") and reads(True, 8 * 16, 128, "cuda")
+    assert not reads(True, 2 * 16, 128, "cuda") and not reads(False, 8 * 16, 128, "cuda")
+    monkeypatch.setitem(index.TUNING, "state_fwd", {"scores": True})
+    assert reads(True, 1, 128, "cuda") and reads(False, 1, 128, "cuda")
 
 
 def test_state_pass_refuses_the_wrong_launch_shape():

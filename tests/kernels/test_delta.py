@@ -19,6 +19,7 @@ from ttr.kernels.gated_delta import (
 )
 
 from .conftest import DEVICE, rel_rms
+from .test_common import reference_scores
 
 OPS = {
     "delta": (chunk_delta_rule, recurrent_delta_rule, reference_delta_rule, False),
@@ -134,7 +135,8 @@ def _inverse_oracle(k, beta, g, starts, ends, BT=64):
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 def test_wy_inverse_kept_in_the_inputs_dtype(monkeypatch, gated, dtype):
     """The WY forward's kept inverse: k's dtype, each chunk's ``(I + A)^-1`` (a partial last chunk
-    and packed sequences included) and exact zeros above the diagonal, which its readers load.
+    and packed sequences included) and exact zeros above the diagonal, which its readers load; with
+    q, the same of its scores ``q k^T ⊙ causal ⊙ Γ`` (in q's dtype), and the same w, u and inverse.
     New float buffers start as NaN, so no element may be left as the allocator gave it."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import prepare_chunks
@@ -156,8 +158,18 @@ def test_wy_inverse_kept_in_the_inputs_dtype(monkeypatch, gated, dtype):
     g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 2.0).to(DEVICE) if gated else None
     cu = torch.tensor(cu_list, dtype=torch.int32, device=DEVICE)
     plan = prepare_chunks(cu, 1, T, device=DEVICE)
-    _, _, Ai = wy_fwd(k, v, beta, plan, g=chunk_local_cumsum(g, plan) if gated else None)
+    gc = chunk_local_cumsum(g, plan) if gated else None
+    w, u, Ai = wy_fwd(k, v, beta, plan, g=gc)
     assert Ai.dtype == dtype and Ai.shape == (1, T, H, 64)
+    q = torch.randn(1, T, H, K, generator=gen).to(DEVICE, dtype)
+    *wua, S = wy_fwd(k, v, beta, plan, g=gc, q=q)
+    for a, b in zip(wua, (w, u, Ai)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert S.dtype == dtype and S.shape == (1, T, H, 64)
+    want_S = reference_scores(q.cpu(), k.cpu(), None if gc is None else gc.cpu(), H, 1, T, cu_list)
+    assert rel_rms(S.double().cpu(), want_S) < (1e-5 if DEVICE == "cpu" else 5e-3)
+    with pytest.raises(ValueError, match="q must have k's shape"):
+        wy_fwd(k, v, beta, plan, g=gc, q=q[..., :16])
     want = _inverse_oracle(k[0], beta[0], g[0] if gated else None, cu_list[:-1], cu_list[1:])
     Ai = Ai[0].double().cpu()
     rows = torch.cat([torch.arange(e - s) % 64 for s, e in zip(cu_list[:-1], cu_list[1:])])  # row in its chunk
@@ -375,6 +387,35 @@ def test_gpu_chunk_matches_oracle(monkeypatch, op, dtype, B, T, D, cu_list):
     x, cu = make_inputs(op, B, T, H, D, D, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
     # the float64 oracle runs on the GPU too (per-token loop, fine at these sizes)
     check_against_oracle(op, x, cu, tol=GPU_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 32), pytest.param(torch.bfloat16, 128, marks=pytest.mark.gpu),
+                                     pytest.param(torch.float32, 128, marks=pytest.mark.gpu)], ids=str)
+def test_gated_walks_with_and_without_kept_scores(monkeypatch, dtype, D):
+    """Gated DeltaNet with its walks reading the scores the WY forward keeps (``walk_reads_scores``
+    forced on: by default only where the walks fill the GPU) and with the output's launches forming
+    them (forced off): each matches the float64 oracle, and the two give the same output to a tenth
+    of its tolerance and the same gradients to half of it: in 16-bit inputs the kept scores are
+    rounded before the intra-chunk dv's scale rather than after it (packed sequences, a partial last
+    chunk)."""
+    op = "gated_delta"
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    tol = GPU_TOL[dtype] if DEVICE == "cuda" else 1e-4
+    T, H = (1000, 4) if DEVICE == "cuda" else (300, 2)
+    cu_list = [0, 1, 300, 364, 1000] if DEVICE == "cuda" else [0, 1, 100, 164, 300]
+    x, cu = make_inputs(op, 1, T, H, D, D, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    do = torch.randn(1, T, H, D, device=DEVICE, generator=gen)
+    dht = torch.randn(len(cu_list) - 1, H, D, D, device=DEVICE, generator=gen)
+    runs = {}
+    for kept in (True, False):
+        monkeypatch.setitem(TUNING, "state_fwd", {"scores": kept})
+        check_against_oracle(op, x, cu, tol=tol)
+        runs[kept] = outputs_and_grads(OPS[op][0], op, x, cu, do, dht)
+    (o, ht, grads), (o2, ht2, grads2) = runs[True], runs[False]
+    assert rel_rms(o, o2) <= tol / 10 and rel_rms(ht, ht2) <= tol / 10
+    errors = {n: rel_rms(grads[n], grads2[n]) for n in grads}
+    assert all(e <= tol / 2 for e in errors.values()), errors
 
 
 @pytest.mark.gpu
