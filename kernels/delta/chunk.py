@@ -1,12 +1,14 @@
 """Chunkwise (gated) delta rule: the autograd Function composing ``ttr.kernels.common``.
 
-Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1, and with a gate the chunks' scores
-``q k^T ⊙ causal ⊙ Γ``, kept: ``state.walk_reads_scores``) -> state pass (h, v_new) -> output,
-which the state walk forms itself from the states it holds (``state.walk_forms_output``: the states
-are then written only if kept).
+Forward: chunk-local cumsum of g -> WY (w, u, (I + A)^-1, and with a gate, where the walks fill
+the GPU, the chunks' scores ``q k^T ⊙ causal ⊙ Γ``, kept: ``state.walk_reads_scores``) -> state
+pass (h, v_new) -> output, which the state walk forms itself from the states it holds, with a gate
+only from kept scores, else a launch after it (``state.walk_forms_output``: the states are then
+written only if kept).
 Backward: w, h and v_new (recomputed from the saved inverse, or kept, see below), then: reverse
 state pass (dh, dh0, and the full dv, whose intra-chunk part the walk forms from the q, k and do
-tiles it reads anyway, or with a gate from the kept scores: ``state.walk_forms_dv``) -> dq, dk, dw,
+tiles it reads anyway, or with a gate from the kept scores, else a launch before it:
+``state.walk_forms_dv``) -> dq, dk, dw,
 dg -> WY backward (dk, dv, dbeta, dg), whose last step maps dg from cumulative back to raw gates.
 
 Keep or recompute (``TTR_CHUNK_STATES``, ``index.chunk_states``): the backward needs w, h and
