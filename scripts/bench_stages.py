@@ -226,7 +226,9 @@ DELTA_SWEEP = {
     # the backward walk forming the intra-chunk dv or reading it from a launch of its own
     # (``state.walk_forms_dv``); over value blocks of 64 or whole rows of 128 (``state._state_blocks``)
     "state_bwd": STATE_WALK_SWEEP["state_bwd"] + [dict(intra_dv=True), dict(intra_dv=False)]
-    + [dict(two_level=False, BV=bv, num_warps=8, num_stages=ns) for bv, ns in ((64, 3), (128, 2))],
+    + [dict(two_level=False, BV=bv, num_warps=8, num_stages=ns) for bv, ns in ((64, 3), (128, 2))]
+    # the gated walk reading the kept scores holds no [BT, BT] fp32 tile: 4 warps may fit it
+    + [dict(two_level=False, BV=64, num_warps=4, num_stages=ns) for ns in (2, 3)],
 }
 
 # Tunings of kernels that run inside another stage's call: ``--sweep`` times that call under their
