@@ -523,8 +523,8 @@ def walk_reads_scores(gated: bool, walks: int, V: int, device) -> bool:
     the scores' tiles and forms its share of ``q h`` again, where the launches do that once per
     chunk: on an H200 (bf16, 16 heads of K = V = 128) Gated DeltaNet's op timed faster with the kept
     scores at 8 x 2048 and 4 x 4096 and slower at 2 x 8192 and 1 x 16384 (docs/benchmarks.md).
-    Without a gate the walk's own ``q k^T`` is off its chain and costs less than the scores'
-    round trip."""
+    Without a gate the walks form their own ``q k^T``, off their chains: DeltaNet's step timed
+    slower with kept scores (docs/benchmarks.md)."""
     full = walks * cdiv(V, 64) >= 0.9 * sm_count(device)
     return bool(tuned("state_fwd", scores=gated and full)["scores"])
 
