@@ -19,8 +19,9 @@ backward walks the chunks again without w: with v_new given, the state update ne
 WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
 reads v_new as stored, so both walks form the states from the same operands). Without a gate,
 where the grid is full (``output.dqk_walks``), that walk is the dq/dk stage itself: it forms each
-state in registers as it goes, so h is never stored. ``backward_states`` names the four ways. ``recompute`` keeps none of them: the
-backward forms w and u again from the kept inverse and runs the full state pass, the least memory.
+state in registers as it goes, so h is never stored. ``backward_states`` names the four ways. ``recompute`` keeps none of them, nor
+the scores: the backward forms w and u (and the scores) again from the kept inverse and runs the
+full state pass, the least memory.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
                                      output_final_state=output_final_state)
             o = output_fwd(q, k, v_new, h, plan, scale=scale, g=g_cum)
         kept = (w, h, v_new) if keep_h else () if states == "recompute" else (w, v_new)
-        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, scores, *kept)
+        # under ``recompute`` the scores are formed again with w and u rather than kept
+        ctx.scored = scores is not None
+        ctx.save_for_backward(q, k, v, g_cum, beta, Ai, initial_state, None if states == "recompute" else scores, *kept)
         ctx.plan, ctx.scale, ctx.states = plan, scale, states
         return o, ht
 
@@ -88,6 +91,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         elif kept:
             w, v_new = kept
             h = None if ctx.states == "dqk_walk" else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
+        elif ctx.scored:
+            w, u, _, scores = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai, q=q)
+            h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
         else:
             w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)

@@ -397,7 +397,8 @@ def test_gated_walks_with_and_without_kept_scores(monkeypatch, dtype, D):
     them (forced off): each matches the float64 oracle, and the two give the same output to a tenth
     of its tolerance and the same gradients to half of it: in 16-bit inputs the kept scores are
     rounded before the intra-chunk dv's scale rather than after it (packed sequences, a partial last
-    chunk)."""
+    chunk). Under ``TTR_CHUNK_STATES=recompute``, which forms the scores again in the backward, the
+    same output and the gradients to a tenth of it."""
     op = "gated_delta"
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     tol = GPU_TOL[dtype] if DEVICE == "cuda" else 1e-4
@@ -412,7 +413,13 @@ def test_gated_walks_with_and_without_kept_scores(monkeypatch, dtype, D):
         monkeypatch.setitem(TUNING, "state_fwd", {"scores": kept})
         check_against_oracle(op, x, cu, tol=tol)
         runs[kept] = outputs_and_grads(OPS[op][0], op, x, cu, do, dht)
+    # ``recompute`` does not keep the scores: the backward forms them again with w and u
+    monkeypatch.setenv("TTR_CHUNK_STATES", "recompute")
+    monkeypatch.setitem(TUNING, "state_fwd", {"scores": True})
+    o3, ht3, grads3 = outputs_and_grads(OPS[op][0], op, x, cu, do, dht)
     (o, ht, grads), (o2, ht2, grads2) = runs[True], runs[False]
+    assert torch.equal(o3, o) and torch.equal(ht3, ht)
+    assert all(rel_rms(grads3[n], grads[n]) <= tol / 10 for n in grads)
     assert rel_rms(o, o2) <= tol / 10 and rel_rms(ht, ht2) <= tol / 10
     errors = {n: rel_rms(grads[n], grads2[n]) for n in grads}
     assert all(e <= tol / 2 for e in errors.values()), errors
