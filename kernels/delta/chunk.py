@@ -19,9 +19,9 @@ backward walks the chunks again without w: with v_new given, the state update ne
 WY stage nor the ``w h`` product, so it is the cheaper walk of GLA and SSD (the forward's update
 reads v_new as stored, so both walks form the states from the same operands). Without a gate,
 where the grid is full (``output.dqk_walks``), that walk is the dq/dk stage itself: it forms each
-state in registers as it goes, so h is never stored. ``backward_states`` names the four ways. ``recompute`` keeps none of them, nor
-the scores: the backward forms w and u (and the scores) again from the kept inverse and runs the
-full state pass, the least memory.
+state in registers as it goes, so h is never stored. ``backward_states`` names the four ways.
+``recompute`` keeps none of them, nor the scores: the backward forms w and u (and the scores) again
+from the kept inverse and runs the full state pass, the least memory.
 """
 
 from __future__ import annotations
@@ -91,11 +91,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         elif kept:
             w, v_new = kept
             h = None if ctx.states == "dqk_walk" else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
-        elif ctx.scored:
-            w, u, _, scores = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai, q=q)
-            h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
         else:
-            w, u, _ = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai)
+            w, u, _, *again = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai, q=q if ctx.scored else None)
+            scores = again[0] if again else None
             h, v_new, _ = state_fwd(k, u, plan, w=w, g=g_cum, initial_state=h0)
         intra = walk_forms_dv(g_cum is not None, scores is not None)
         dv = None if intra else output_bwd_dv(q, k, do, plan, scale=scale, g=g_cum)
