@@ -340,33 +340,34 @@ def conv_bwd(x, weight, bias, init, dy, dfinal, activation, packing, l2=0, rstd=
     if dx is None:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    def launch(grid, dw, db, dinit, seg, warmup=False):
-        args = (x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
+    consts = dict(W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
+                  IS_VARLEN=cu is not None, SILU=activation == "silu", L2=l2, **cfg)
+
+    def args(dw, db, dinit, seg):
+        return (x, weight, bias if bias is not None else weight, init if init is not None else weight, dy,
                 rstd if rstd is not None else dw, dfinal if dfinal is not None else dy, dx, dw,
                 db if db is not None else dw, dinit if dinit is not None else dw,
                 seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
                 dx.stride(0), dx.stride(1), seg)
-        consts = dict(W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, HAS_DFINAL=dfinal is not None,
-                      IS_VARLEN=cu is not None, SILU=activation == "silu", L2=l2, **cfg)
-        if warmup:
-            key = ("conv_bwd", x.dtype, weight.dtype, dy.dtype, None if bias is None else bias.dtype,
-                   None if init is None else init.dtype, None if dfinal is None else dfinal.dtype,
-                   *sorted(consts.items()))
-            return resident_programs(_conv_bwd_kernel, key, *args, **consts)
-        _conv_bwd_kernel[grid](*args, **consts)
+
+    def compile_args():
+        # dw, db and dinit are sized by the walk length being chosen: an fp32 stand-in of the same
+        # kind compiles the same kernel
+        scratch = torch.empty(1, dtype=torch.float32, device=x.device)
+        return args(scratch, scratch if bias is not None else None, scratch if init is not None else None, 256)
 
     rows = b * cdiv(d, cfg["BD"])
     if seg is None and t:
-        scratch = torch.empty(1, dtype=torch.float32, device=x.device)
-        per_sm = launch(None, scratch, scratch if bias is not None else None, scratch if init is not None else None,
-                        256, warmup=True)
+        key = ("conv_bwd", x.dtype, weight.dtype, dy.dtype, None if bias is None else bias.dtype,
+               None if init is None else init.dtype, None if dfinal is None else dfinal.dtype, *sorted(consts.items()))
+        per_sm = resident_programs(_conv_bwd_kernel, key, compile_args, **consts)
         seg = wave_segment(t, rows, per_sm * sm_count(x.device))
     ns = cdiv(t, seg) if t else 0
     dw = torch.empty(b * ns, w, d, dtype=torch.float32, device=x.device)
     db = torch.empty(b * ns, d, dtype=torch.float32, device=x.device) if bias is not None else None
     dinit = torch.zeros(init.shape, dtype=torch.float32, device=x.device) if init is not None else None
     if t:
-        launch((ns, cdiv(d, cfg["BD"]), b), dw, db, dinit, seg)
+        _conv_bwd_kernel[(ns, cdiv(d, cfg["BD"]), b)](*args(dw, db, dinit, seg), **consts)
     if dinit is not None and dfinal is not None:
         dinit += _dfinal_to_init(dfinal.float(), packing, t, w)
     dw = dw.sum(0).t().to(weight.dtype)

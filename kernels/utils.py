@@ -186,16 +186,18 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None
 _RESIDENT: dict[tuple, int] = {}
 
 
-def resident_programs(kernel, key: tuple, *args, **kwargs) -> int:
+def resident_programs(kernel, key: tuple, args, **kwargs) -> int:
     """How many programs of ``kernel`` (a ``triton.jit`` function), compiled for these launch
     arguments on the current CUDA device, one SM holds at once: the least of what its registers,
     shared memory and warps leave room for. Compiled without a launch (``warmup``) once per
     ``key``, which must name everything that selects the compiled kernel (constexprs, dtypes,
-    launch options). For launchers that size their grid to whole waves of the GPU."""
+    launch options); ``args()`` gives the positional arguments and is called only then, so that a
+    launcher asking on every call builds nothing once the count is known. For launchers that size
+    their grid to whole waves of the GPU."""
     device = torch.cuda.current_device()
     full = (device, *key)
     if full not in _RESIDENT:
-        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled = kernel.warmup(*args(), grid=(1,), **kwargs)
         compiled._init_handles()  # loads the module: the registers are known from here on
         props = torch.cuda.get_device_properties(device)
         warps = compiled.metadata.num_warps

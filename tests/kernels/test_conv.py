@@ -153,6 +153,35 @@ def test_wave_segment_fills_whole_waves():
     assert 16 * -(-t // wave_segment(t, 16, 2112)) <= waves * 2112
 
 
+
+@pytest.mark.parametrize("l2", [0, 16])
+def test_walks_sized_by_resident_programs_equal_fixed_walks(monkeypatch, l2):
+    """The GPU launcher's path (``SEG`` None) run under the interpreter: the walk length comes from
+    ``resident_programs`` (here a stand-in holding 4 walks per SM on two SMs) through
+    ``wave_segment``, whose compile arguments are built only when it asks for them, and dx, dw and
+    db equal those of walks of a fixed length."""
+    from ttr.kernels import conv_backward
+
+    asked = []
+
+    def resident(kernel, key, args, **consts):
+        asked.append(key)
+        assert kernel is conv_backward._conv_bwd_kernel and len(args()) == 20 and consts["L2"] == l2
+        return 4
+
+    monkeypatch.setattr(conv_backward, "resident_programs", resident)
+    monkeypatch.setattr(conv_backward, "sm_count", lambda device: 2)
+    x, weight, bias, _ = make(2, 150, 32, 4)
+    y, rstd = conv_fwd(x, weight, bias, None, "silu", None, l2=l2)
+    dy = torch.randn_like(y)
+    out = {}
+    for name, seg in (("sized", None), ("fixed", 7)):
+        monkeypatch.setitem(TUNING, "conv_bwd", {"SEG": seg, "BD": 16})
+        out[name] = conv_bwd(x, weight, bias, None, dy, None, "silu", None, l2, rstd)
+    assert len(asked) == 1 and wave_segment(150, 4, 8) == 76  # 2 x 2 rows of 16 channels: two walks each
+    for a, b in zip(out["sized"][:3], out["fixed"][:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
 def test_conv_l2_rows_have_unit_norm(backend):
     x, weight, bias, _ = make(2, 9, 32, 3)
     y, _ = causal_conv1d(x, weight, bias, activation="silu", l2_group=16)
