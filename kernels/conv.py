@@ -251,7 +251,8 @@ def conv_fwd(x, weight, bias, init, activation, packing, l2=0, l2_eps=1e-6):
     if t:
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, init if init is not None else weight, y,
-            rstd if rstd is not None else y, seq_idx if seq_idx is not None else x, cu if cu is not None else x, t, d, x.stride(0), x.stride(1),
+            rstd if rstd is not None else y, seq_idx if seq_idx is not None else x, cu if cu is not None else x,
+            t, d, x.stride(0), x.stride(1),
             W=w, HAS_BIAS=bias is not None, HAS_INIT=init is not None, IS_VARLEN=cu is not None,
             SILU=activation == "silu", eps=l2_eps, L2=l2, **cfg,
         )  # fmt: skip

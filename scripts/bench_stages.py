@@ -72,7 +72,7 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
     q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x.get("g")
     gc = chunk_local_cumsum(g, plan) if gated else None
     # with a gate the WY forward also forms the scores the walks read (``walk_reads_scores``)
-    qs = q if walk_reads_scores(gated, B * q.shape[2], v.shape[3], q.device) else None
+    qs = q if walk_reads_scores(gated, B * q.shape[2], k.shape[3], v.shape[3], q.device) else None
     w, u, Ai, *kept = wy_fwd(k, v, beta, plan, g=gc, q=qs)
     scores = kept[0] if kept else None
     h, vn, _ = state_fwd(k, u, plan, w=w, g=gc)

@@ -4,8 +4,9 @@ The ops run once, forward and backward, at a short length (``--seqlen``, B = 2) 
 shape of ``ttr bench`` under the Triton interpreter, in a child process (``TRITON_INTERPRET`` must
 be set before Triton is imported), which records each launch: the kernel, its argument types,
 constexprs, warps and pipeline stages. ``conv`` is the short convs at the 1.3B presets' conv shapes
-(read as column blocks of their projections, as the layers train), in a batch and packed. Ops without a delta rule run twice, once on each state
-pass (sequential and two-level), so both paths' kernels are listed. This process then compiles
+(read as column blocks of their projections, as the layers train), in a batch and packed. Ops
+without a delta rule run twice, once on each state pass (sequential and two-level), so both paths'
+kernels are listed. This process then compiles
 every distinct launch with the installed Triton for the target (default sm_90a, Hopper) and reads
 the machine code's resource use with the ``cuobjdump`` that Triton ships. Each argument is
 compiled as Triton's launcher specializes it on a GPU (``_specialize``: pointers 16-byte aligned and
@@ -140,8 +141,9 @@ def capture_convs() -> list[dict]:
 
     out = []
     gpu = lambda: False  # noqa: E731
-    with mock.patch.object(conv, "interpreter_active", gpu), mock.patch.object(conv_backward, "interpreter_active", gpu), \
-            tuning_override({**TUNING, "conv_bwd": {**TUNING.get("conv_bwd", {}), "SEG": 256}}):
+    with (mock.patch.object(conv, "interpreter_active", gpu),
+          mock.patch.object(conv_backward, "interpreter_active", gpu),
+          tuning_override({**TUNING, "conv_bwd": {**TUNING.get("conv_bwd", {}), "SEG": 256}})):
         for name, d, l2, bias, width in preset_convs():
             for packed in (False, True):
                 torch.manual_seed(0)

@@ -511,12 +511,13 @@ def _sequential_cfg(stage: str, **defaults) -> dict:
     return cfg
 
 
-def walk_reads_scores(gated: bool, walks: int, V: int, device) -> bool:
+def walk_reads_scores(gated: bool, walks: int, K: int, V: int, device) -> bool:
     """Whether the delta rules' forward has ``wy.wy_fwd`` form the chunks' scores ``q k^T ⊙ causal ⊙
     Γ`` (in q's dtype, kept for the backward) for the state walks to read (``state_fwd(...,
     scores=)``, ``state_bwd(..., scores=)``) instead of the output's launches forming them;
-    ``walks`` is the (sequence, head) pairs, ``TUNING["state_fwd"]["scores"]`` overrides. By default
-    with a gate, where those walks fill the GPU with value blocks of 64. Each walk's step then holds
+    ``walks`` is the (sequence, head) pairs, ``TUNING["state_fwd"]["scores"]`` overrides. Never at
+    K > 128, where the output's launches form the scores (``state_fwd``); by default with a gate,
+    where those walks fill the GPU with value blocks of 64. Each walk's step then holds
     neither the scores' fp32 tile nor the gate's ``[BT, BT]`` tile and masks, which spilled the gated
     walks that formed them, and the w, u launch, which loads k and the gate anyway, adds q's tile,
     one product and the scores' store. On narrower value blocks every block's program loads q's and
@@ -526,7 +527,7 @@ def walk_reads_scores(gated: bool, walks: int, V: int, device) -> bool:
     Without a gate the walks form their own ``q k^T``, off their chains: DeltaNet's step timed
     slower with kept scores (docs/benchmarks.md)."""
     full = walks * cdiv(V, 64) >= 0.9 * sm_count(device)
-    return bool(tuned("state_fwd", scores=gated and full)["scores"])
+    return K <= 128 and bool(tuned("state_fwd", scores=gated and full)["scores"])
 
 
 def walk_forms_output(gated: bool, scores: bool = False) -> bool:

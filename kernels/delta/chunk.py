@@ -58,8 +58,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         plan = prepare_chunks(cu_seqlens, B, T, device=q.device)
         g_cum = chunk_local_cumsum(g, plan) if g is not None else None
         gated = g is not None
-        # the kept scores serve the walks only at K <= 128 (beyond, the output's launches form them)
-        if walk_reads_scores(gated, plan.num_seqs * q.shape[2], v.shape[3], q.device) and k.shape[3] <= 128:
+        if walk_reads_scores(gated, plan.num_seqs * q.shape[2], k.shape[3], v.shape[3], q.device):
             w, u, Ai, scores = wy_fwd(k, v, beta, plan, g=g_cum, q=q)
         else:
             (w, u, Ai), scores = wy_fwd(k, v, beta, plan, g=g_cum), None

@@ -343,15 +343,18 @@ def test_the_delta_rules_walks_form_their_products(monkeypatch, choice, stage, k
 
 def test_the_gated_walks_read_kept_scores_where_they_fill_the_gpu(monkeypatch):
     """With a gate the scores are kept where the walks fill the GPU with value blocks of 64 (132 SMs:
-    16 heads of V = 128 at 4 sequences, not at 2), never without one; ``TUNING`` overrides."""
+    16 heads of V = 128 at 4 sequences, not at 2), never without one; ``TUNING`` overrides, except
+    at K > 128, where no walk forms the output."""
     from ttr.kernels.common import index, state
 
     monkeypatch.setattr(state, "sm_count", lambda device: 132)
     reads = state.walk_reads_scores
-    assert reads(True, 4 * 16, 128, "cuda") and reads(True, 8 * 16, 128, "cuda")
-    assert not reads(True, 2 * 16, 128, "cuda") and not reads(False, 8 * 16, 128, "cuda")
+    assert reads(True, 4 * 16, 128, 128, "cuda") and reads(True, 8 * 16, 128, 128, "cuda")
+    assert not reads(True, 2 * 16, 128, 128, "cuda") and not reads(False, 8 * 16, 128, 128, "cuda")
+    assert not reads(True, 8 * 16, 256, 128, "cuda")
     monkeypatch.setitem(index.TUNING, "state_fwd", {"scores": True})
-    assert reads(True, 1, 128, "cuda") and reads(False, 1, 128, "cuda")
+    assert reads(True, 1, 128, 128, "cuda") and reads(False, 1, 128, 128, "cuda")
+    assert not reads(True, 1, 192, 128, "cuda")
 
 
 def test_state_pass_refuses_the_wrong_launch_shape():
