@@ -153,13 +153,12 @@ def test_wave_segment_fills_whole_waves():
     assert 16 * -(-t // wave_segment(t, 16, 2112)) <= waves * 2112
 
 
-
 @pytest.mark.parametrize("l2", [0, 16])
 def test_walks_sized_by_resident_programs_equal_fixed_walks(monkeypatch, l2):
     """The GPU launcher's path (``SEG`` None) run under the interpreter: the walk length comes from
     ``resident_programs`` (here a stand-in holding 4 walks per SM on two SMs) through
-    ``wave_segment``, whose compile arguments are built only when it asks for them, and dx, dw and
-    db equal those of walks of a fixed length."""
+    ``wave_segment`` (its compile arguments handed over as a callable, asked once per call here),
+    and dx, dw and db equal those of walks of a fixed length."""
     from ttr.kernels import conv_backward
 
     asked = []
