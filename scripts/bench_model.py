@@ -77,6 +77,7 @@ from ttr.scripts.bench_utils import (
     error_text,
     fla_guard_note,
     kernel_times,
+    launch_overrides,
     lift_fla_guard,
     product_shapes,
     step_breakdown,
@@ -564,9 +565,10 @@ def tuning_alternatives(text: str) -> list[dict]:
     if not isinstance(alts, list) or not alts:
         raise ValueError("expected a non-empty JSON list of objects, e.g. '[{}, {\"wy_bwd\": {\"num_warps\": 8}}]'")
     for i, alt in enumerate(alts):
-        if not isinstance(alt, dict) or not all(isinstance(v, dict) for v in alt.values()):
-            raise ValueError(f"alternative {i} must be an object of stage name -> object of launch parameters, "
-                             f"got {json.dumps(alt)}")
+        try:
+            launch_overrides(alt)
+        except ValueError as e:
+            raise ValueError(f"alternative {i}: {e}") from None
     return alts
 
 

@@ -6,6 +6,7 @@ an older Triton."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import statistics
 import sys
@@ -218,6 +219,14 @@ class Stages(dict):
     out of the printed total."""
 
     off_path: frozenset = frozenset()
+
+
+def launch_overrides(alt) -> dict:
+    """``alt`` (parsed JSON) checked as ``index.TUNING``'s form: an object of stage name -> object
+    of launch parameters (``{}``: the built-in defaults). ValueError names what is wrong."""
+    if not isinstance(alt, dict) or not all(isinstance(v, dict) for v in alt.values()):
+        raise ValueError(f"expected an object of stage name -> object of launch parameters, got {json.dumps(alt)}")
+    return alt
 
 
 @contextlib.contextmanager

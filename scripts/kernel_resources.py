@@ -28,11 +28,17 @@ still be the fastest measured launch. Use them to choose what to time (``ttr ben
 --sweep``) and to see what a kernel change does to register pressure before a GPU is at hand.
 
     python -m ttr.scripts.kernel_resources --ops ssd --out resources.md
+    python -m ttr.scripts.kernel_resources --ops gated_delta --tuning '{"wy_bwd": {"num_warps": 8}}'
+
+``--tuning`` captures under launch overrides (``index.TUNING``: stage -> launch parameters, as
+``bench_model --tuning`` and ``ttr bench --stages --sweep`` take them), so a launch the defaults do
+not choose can be compiled and read before it is timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -160,18 +166,22 @@ def capture_convs() -> list[dict]:
     return out
 
 
-def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqlen: int) -> list[dict]:
+def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqlen: int,
+            tuning: dict | None = None) -> list[dict]:
     """Run in the interpreter process: the launches of each op's forward and backward (``conv``: the
-    short convs, ``capture_convs``), on the Triton backend. The interpreter's launch is recorded
-    inside this call only."""
+    short convs, ``capture_convs``), on the Triton backend; with ``tuning`` (stage -> launch
+    parameters, ``{}`` the built-in choices) ``index.TUNING`` holds exactly that meanwhile, as under
+    ``bench_model --tuning``. The interpreter's launch is recorded inside this call only."""
     import triton.runtime.interpreter as interpreter
 
     from ttr.kernels.utils import backend_override
+    from ttr.scripts.bench_utils import tuning_override
 
     _record.original = interpreter.InterpretedFunction.run
     interpreter.InterpretedFunction.run = _record
     try:
-        with backend_override("triton"):  # the Triton kernels on CPU tensors
+        overrides = tuning_override(tuning) if tuning is not None else contextlib.nullcontext()
+        with backend_override("triton"), overrides:  # the Triton kernels on CPU tensors
             out = capture_convs() if ops is None or "conv" in ops else []
             ops = [o for o in ops if o != "conv"] if ops is not None else None
             return out + (_capture_ops(ops, presets, shapes, seqlen) if ops != [] else [])
@@ -331,11 +341,11 @@ def report(launches: list[dict], arch: int) -> tuple[str, list[dict]]:
     return "\n".join(lines), rows
 
 
-def _capture_in_child(ops, presets, shapes, seqlen) -> list[dict]:
+def _capture_in_child(ops, presets, shapes, seqlen, tuning=None) -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "TTR_KERNEL_BACKEND": "triton"}
     code = ("import json, sys; from ttr.scripts.kernel_resources import capture; "
             "print(json.dumps(capture(*json.loads(sys.argv[1]))))")
-    args = json.dumps([ops, presets, shapes, seqlen])
+    args = json.dumps([ops, presets, shapes, seqlen, tuning])
     done = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError("the interpreter run failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
@@ -357,12 +367,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", default=None,
                         help="read the captured launches from this JSON file if it exists, else capture and "
                              "write them there (one capture, compiled by several Triton installs)")
+    parser.add_argument("--tuning", default=None, metavar="JSON",
+                        help="launch overrides for index.TUNING during the capture, an object of stage name -> "
+                             "launch parameters (e.g. '{\"wy_bwd\": {\"num_warps\": 8}}'), as ttr bench --stages "
+                             "--sweep times them")
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     ops, presets = parse_selection(parser, args.ops, args.presets, [*rows(), "conv"])
     if args.seqlen < 1:
         parser.error("--seqlen must be positive")
+    tuning = None
+    if args.tuning is not None:
+        from ttr.scripts.bench_utils import launch_overrides
+
+        try:
+            tuning = launch_overrides(json.loads(args.tuning))
+        except json.JSONDecodeError as e:
+            parser.error(f"--tuning: not JSON ({e.msg} at character {e.pos})")
+        except ValueError as e:
+            parser.error(f"--tuning: {e}")
+        if args.launches and os.path.exists(args.launches):
+            parser.error(f"--tuning applies to a capture, but --launches {args.launches} exists and would be read")
     from ttr.kernels.utils import interpreter_active
 
     if interpreter_active():
@@ -375,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.launches) as f:
                 launches = json.load(f)
         else:
-            launches = _capture_in_child(ops, presets, args.shapes, args.seqlen)
+            launches = _capture_in_child(ops, presets, args.shapes, args.seqlen, tuning)
             if args.launches:
                 with open(args.launches, "w") as f:
                     json.dump(launches, f)

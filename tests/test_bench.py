@@ -541,6 +541,28 @@ def test_kernel_resources_captures_the_convs_gpu_launches(monkeypatch):
     assert {r["constexprs"]["L2"] for r in rows} == {0, 128}
 
 
+def test_kernel_resources_captures_under_launch_overrides(monkeypatch):
+    """``--tuning``: the capture runs under ``index.TUNING`` holding the overrides, so the recorded
+    launch is the overridden one (the WY forward's products on 2 warps instead of 4), and TUNING is
+    as it was afterwards; a malformed override is one line naming the flag."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.kernels.utils import interpreter_active
+
+    for bad, says in (("{", "not JSON"), ('{"wy_fwd": 2}', "expected an object of stage name")):
+        proc = subprocess.run([sys.executable, "-m", "ttr.scripts.kernel_resources", "--tuning", bad],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and "--tuning: " + says in proc.stderr and "Traceback" not in proc.stderr
+    if not interpreter_active():
+        pytest.skip("records the interpreter's launches (TRITON_INTERPRET=1)")
+    monkeypatch.setitem(TUNING, "wy_bwd", {"num_warps": 8})
+    before = {k: dict(v) for k, v in TUNING.items()}
+    rows = kernel_resources.capture(["gated_delta"], None, "preset", 64, {"wy_fwd": {"num_warps": 2}})
+    assert TUNING == before
+    opts = {r["kernel"]: r["options"] for r in rows}
+    # the overrides replace TUNING for the capture: wy_bwd's override outside it is not read there
+    assert opts["wy_fwd_kernel"]["num_warps"] == 2 and "num_warps" not in opts["wy_bwd_kernel"], opts
+
+
 def test_kernel_resources_specializes_arguments_as_the_gpu_launcher():
     """Aligned pointers and ints divisible by 16 are marked, an offset view and 17 are not, an int
     equal to 1 is a constant, as Triton's launcher specializes them on a GPU."""

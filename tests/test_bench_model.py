@@ -132,7 +132,7 @@ def test_bench_model_tuning_table(monkeypatch, tmp_path, capsys):
     md = (tmp_path / "t.md").read_text()
     assert '| delta_net-debug | {"wy_bwdd":{"num_warps":8}} (no launch read wy_bwdd) |' in md
     for bad, says in (("[{}", "not JSON"), ("{}", "expected a non-empty JSON list"), ("[]", "expected a non-empty JSON list"),
-                      ('[{"wy_bwd": 8}]', "alternative 0 must be an object")):
+                      ('[{"wy_bwd": 8}]', "alternative 0: expected an object")):
         with pytest.raises(SystemExit):
             bench_model.parse_args(["--device", "cpu", "--tuning", bad])
         err = capsys.readouterr().err
