@@ -167,13 +167,15 @@ def capture_convs() -> list[dict]:
 
 
 def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqlen: int,
-            tuning: dict | None = None) -> list[dict]:
+            tuning: dict | None = None, unread: list | None = None) -> list[dict]:
     """Run in the interpreter process: the launches of each op's forward and backward (``conv``: the
     short convs, ``capture_convs``), on the Triton backend; with ``tuning`` (stage -> launch
     parameters, ``{}`` the built-in choices) ``index.TUNING`` holds exactly that meanwhile, as under
-    ``bench_model --tuning``. The interpreter's launch is recorded inside this call only."""
+    ``bench_model --tuning``, and ``unread`` (a list) takes the overridden stages no launch read.
+    The interpreter's launch is recorded inside this call only."""
     import triton.runtime.interpreter as interpreter
 
+    from ttr.kernels.common.index import reading_stages
     from ttr.kernels.utils import backend_override
     from ttr.scripts.bench_utils import tuning_override
 
@@ -181,10 +183,13 @@ def capture(ops: list[str] | None, presets: list[str] | None, shapes: str, seqle
     interpreter.InterpretedFunction.run = _record
     try:
         overrides = tuning_override(tuning) if tuning is not None else contextlib.nullcontext()
-        with backend_override("triton"), overrides:  # the Triton kernels on CPU tensors
+        with backend_override("triton"), overrides, reading_stages() as read:  # the Triton kernels on CPU tensors
             out = capture_convs() if ops is None or "conv" in ops else []
             ops = [o for o in ops if o != "conv"] if ops is not None else None
-            return out + (_capture_ops(ops, presets, shapes, seqlen) if ops != [] else [])
+            out += _capture_ops(ops, presets, shapes, seqlen) if ops != [] else []
+        if unread is not None:
+            unread += sorted(set(tuning or {}) - read)
+        return out
     finally:
         interpreter.InterpretedFunction.run = _record.original
         _LAUNCHES.clear()
@@ -341,15 +346,18 @@ def report(launches: list[dict], arch: int) -> tuple[str, list[dict]]:
     return "\n".join(lines), rows
 
 
-def _capture_in_child(ops, presets, shapes, seqlen, tuning=None) -> list[dict]:
+def _capture_in_child(ops, presets, shapes, seqlen, tuning=None) -> tuple[list[dict], list[str]]:
+    """``capture`` in a child process under the interpreter: the launches and the unread stages."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "TTR_KERNEL_BACKEND": "triton"}
-    code = ("import json, sys; from ttr.scripts.kernel_resources import capture; "
-            "print(json.dumps(capture(*json.loads(sys.argv[1]))))")
+    code = ("import json, sys; from ttr.scripts.kernel_resources import capture; unread = []; "
+            "launches = capture(*json.loads(sys.argv[1]), unread=unread); "
+            "print(json.dumps({'launches': launches, 'unread': unread}))")
     args = json.dumps([ops, presets, shapes, seqlen, tuning])
     done = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError("the interpreter run failed: " + (done.stderr.strip().splitlines() or ["?"])[-1])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["launches"], result["unread"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,7 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.launches) as f:
                 launches = json.load(f)
         else:
-            launches = _capture_in_child(ops, presets, args.shapes, args.seqlen, tuning)
+            launches, unread = _capture_in_child(ops, presets, args.shapes, args.seqlen, tuning)
+            if unread:
+                print(f"kernel_resources: --tuning: no launch read {', '.join(unread)} (a misspelt stage, or one "
+                      "of ops not selected)", file=sys.stderr)
             if args.launches:
                 with open(args.launches, "w") as f:
                     json.dump(launches, f)

@@ -543,8 +543,9 @@ def test_kernel_resources_captures_the_convs_gpu_launches(monkeypatch):
 
 def test_kernel_resources_captures_under_launch_overrides(monkeypatch):
     """``--tuning``: the capture runs under ``index.TUNING`` holding the overrides, so the recorded
-    launch is the overridden one (the WY forward's products on 2 warps instead of 4), and TUNING is
-    as it was afterwards; a malformed override is one line naming the flag."""
+    launch is the overridden one (the WY forward's products on 2 warps instead of 4), a stage no
+    launch read is named, and TUNING is as it was afterwards; a malformed override is one line
+    naming the flag."""
     from ttr.kernels.common.index import TUNING
     from ttr.kernels.utils import interpreter_active
 
@@ -556,8 +557,10 @@ def test_kernel_resources_captures_under_launch_overrides(monkeypatch):
         pytest.skip("records the interpreter's launches (TRITON_INTERPRET=1)")
     monkeypatch.setitem(TUNING, "wy_bwd", {"num_warps": 8})
     before = {k: dict(v) for k, v in TUNING.items()}
-    rows = kernel_resources.capture(["gated_delta"], None, "preset", 64, {"wy_fwd": {"num_warps": 2}})
-    assert TUNING == before
+    unread = []
+    rows = kernel_resources.capture(["gated_delta"], None, "preset", 64,
+                                    {"wy_fwd": {"num_warps": 2}, "wy_fwdd": {"num_warps": 8}}, unread=unread)
+    assert TUNING == before and unread == ["wy_fwdd"]
     opts = {r["kernel"]: r["options"] for r in rows}
     # the overrides replace TUNING for the capture: wy_bwd's override outside it is not read there
     assert opts["wy_fwd_kernel"]["num_warps"] == 2 and "num_warps" not in opts["wy_bwd_kernel"], opts
