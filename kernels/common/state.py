@@ -680,7 +680,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     if intra_dv and (k.shape[3] > 128 or two_level):
         # the two-level pass has no walk to form it in; the split state's walk (K > 128) formed it
         # wrong with fp32 inputs on the H200 (Triton 3.6: the float64 oracle missed at K = 256)
-        dv, intra_dv = output_bwd_dv(q, k, do, plan, scale=scale, g=g), False
+        dv, intra_dv, scores = output_bwd_dv(q, k, do, plan, scale=scale, g=g), False, None
     if two_level:
         dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
@@ -695,8 +695,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     dv2 = torch.empty_like(do) if intra_dv else None if dv is None else torch.empty_like(dv)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        q, k, w, g, gk, scores if intra_dv else None, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
+        q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
         scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
-        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=intra_dv and scores is not None, **cfg)
+        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, **cfg)
     return dh, dh0, dv2
