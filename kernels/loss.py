@@ -11,12 +11,14 @@ The forward walks the tokens in chunks of ``chunk_size``: one matmul gives the c
 (in the compute dtype, fp32 accumulation in cuBLAS), one Triton kernel turns them into the loss
 and, in place, into ``softmax - onehot`` (fp32 arithmetic: two passes over the vocabulary, an
 online max / sum-exp, then the gradient), and two more matmuls give the chunk's ``dh`` and its
-share of ``dW`` (accumulated in fp32). The backward only multiplies the stored grads by
-grad_output times ``s``; ``s`` stays out of the forward so that fp16 grads do not underflow
-before a loss scale reaches them. This is the approach of Liger-Kernel's fused linear
-cross-entropy (arXiv:2410.10989). Peak extra memory: one ``[chunk_size, V]`` logits buffer,
-``dh`` and an fp32 ``dW``. Under autocast, hidden/weight/bias are cast to the autocast dtype
-first (as F.linear would), so the grads flow back to fp32 master weights through that cast.
+share of ``dW``, which the product adds into an fp32 accumulator without rounding it to the
+compute dtype. The backward only multiplies the stored grads by grad_output times ``s`` (one
+pass); ``s`` stays out of the forward so that fp16 grads do not underflow before a loss scale
+reaches them. This is the approach of Liger-Kernel's fused linear cross-entropy
+(arXiv:2410.10989). Peak extra memory: one ``[chunk_size, V]`` logits buffer, ``dh`` and an fp32
+``dW``. Under autocast the op casts hidden, weight and bias to the autocast dtype for its
+products (as F.linear would) and returns each gradient in its input's own dtype: an fp32 master
+weight's straight from the fp32 accumulator, not rounded to bf16 and cast back up.
 When nothing requires grad only the loss is computed.
 
 With ``reduction="mean"`` and every label ignored the loss is 0 with zero grads (not NaN).
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import next_power_of_2
-from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
+from ttr.kernels.utils import add_weight_grad, check_dtype, kernel_backend, on_input_device, weight_grad
 
 REDUCTIONS = ("mean", "sum")
 
@@ -107,18 +109,24 @@ def _default_chunk_size(n: int, d: int, v: int) -> int:
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_size, backend):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_size, backend, dtype):
+        # the inputs are cast to the products' dtype here rather than by the caller, so that their
+        # gradients come back in their own dtypes straight from the fp32 accumulators: the
+        # weight's (fp32 under autocast) is not rounded to bf16 and cast back up
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
         n, d = hidden.shape
         v = weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_grad = need_h or need_w or need_b
         ce_chunk = _triton_ce_chunk if backend == "triton" else _torch_ce_chunk
-        acc_dt = torch.promote_types(hidden.dtype, torch.float32)
+        acc_dt = torch.promote_types(dtype, torch.float32)
         scale = 1.0
         if reduction == "mean":  # a tensor: reading the count on the host would wait for the GPU
             scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(acc_dt)
         dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(v, d, dtype=acc_dt, device=hidden.device) if need_w else None
+        dw = None
         db = torch.zeros(v, dtype=acc_dt, device=hidden.device) if need_b else None
         total = torch.zeros((), dtype=acc_dt, device=hidden.device)
         for i0 in range(0, n, chunk_size):
@@ -134,30 +142,47 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_h:
                 torch.mm(z_c, weight, out=dh[i0 : i0 + chunk_size])
             if need_w:
-                dw += torch.mm(z_c.t(), h_c)
+                dw = weight_grad(z_c, h_c, acc_dt) if dw is None else add_weight_grad(dw, z_c, h_c)
             if need_b:
                 db += z_c.sum(0, dtype=db.dtype)
             del z_c
+        if need_w and dw is None:  # no tokens
+            dw = torch.zeros(v, d, dtype=acc_dt, device=hidden.device)
         # dh, dw, db are kept unscaled (softmax - onehot): the 1/n_valid of "mean" is applied in the
         # backward together with grad_output, so fp16 grads do not underflow before a loss scale
         ctx.save_for_backward(dh, dw, db)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.scale, ctx.chunk_size, ctx.backend = scale, chunk_size, backend
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_loss):
         factor = grad_loss.to(torch.promote_types(grad_loss.dtype, torch.float32)) * ctx.scale
         grads = [
-            None if g is None else _scaled(g, factor, dtype, ctx.chunk_size)
+            None if g is None else _scaled(g, factor, dtype, ctx.chunk_size, ctx.backend)
             for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)
         ]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
-def _scaled(g, factor, dtype, rows: int):
-    """``g * factor`` in fp32 (fp64 for fp64), cast to ``dtype``, ``rows`` rows at a time."""
+@triton.jit
+def _scale_kernel(x, factor, out, n, BLOCK: tl.constexpr):
+    """``out = x * factor`` in fp32, rounded once to out's dtype."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    b_f = tl.load(factor).to(tl.float32)
+    b_x = tl.load(x + o, mask=m, other=0.).to(tl.float32)
+    tl.store(out + o, (b_x * b_f).to(out.dtype.element_ty), mask=m)
+
+
+def _scaled(g, factor, dtype, rows: int, backend: str):
+    """``g * factor`` in fp32 (fp64 for fp64), cast to ``dtype``: one pass over g on the triton
+    backend, else ``rows`` rows at a time."""
     out = torch.empty(g.shape, dtype=dtype, device=g.device)
+    if backend == "triton" and factor.dtype == torch.float32:
+        n, block = g.numel(), 4096
+        if n:
+            _scale_kernel[(triton.cdiv(n, block),)](g, factor, out, n, BLOCK=block, num_warps=8)
+        return out
     for i0 in range(0, g.shape[0], rows):
         out[i0 : i0 + rows] = g[i0 : i0 + rows].to(factor.dtype) * factor
     return out
@@ -253,17 +278,17 @@ def linear_cross_entropy(
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dt = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dt), weight.to(dt)
-        bias = bias.to(dt) if bias is not None else None
     elif hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(
             f"hidden, weight and bias must share a dtype outside autocast, got {hidden.dtype}, {weight.dtype}"
             + (f", {bias.dtype}" if bias is not None else "")
         )
+    else:
+        dt = hidden.dtype
     n, d = hidden.shape
     chunk = chunk_size or _default_chunk_size(n, d, weight.shape[0])
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropyFunction.apply(
             hidden.contiguous(), weight.contiguous(), bias, labels.contiguous(), ignore_index, reduction,
-            chunk, kernel_backend(hidden),
+            chunk, kernel_backend(hidden), dt,
         )  # fmt: skip

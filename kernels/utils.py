@@ -177,6 +177,19 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.T
         return g.t().to(dtype) @ x.to(dtype)
 
 
+def add_weight_grad(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``acc += g^T x`` in ``acc``'s dtype, the product's fp32 accumulator added in without rounding
+    it to the operands' dtype first (cuBLAS reads ``acc`` in its epilogue, where ``acc += (g^T
+    x).to(dtype)`` would round the product and then read and write ``acc`` in a kernel of its
+    own). ``weight_grad`` forms the first term."""
+    with torch.autocast(g.device.type, enabled=False):
+        if g.dtype == acc.dtype:
+            return acc.addmm_(g.t(), x)
+        if g.is_cuda and acc.dtype == torch.float32:
+            return torch.addmm(acc, g.t(), x, out_dtype=acc.dtype, out=acc)
+        return acc.addmm_(g.t().to(acc.dtype), x.to(acc.dtype))
+
+
 def bias_grad(g: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
     """The bias's gradient, the column sums of ``g [rows, O]`` accumulated in fp32 and returned in
     the bias's ``dtype``; None where there is no bias (``dtype`` None)."""

@@ -126,6 +126,28 @@ def test_autocast_casts_like_linear(backend):
     assert rel_rms(w.grad, w64.grad) < 2e-2
 
 
+def test_autocast_weight_grad_from_fp32_accumulator(backend):
+    """Under autocast the fp32 weight's gradient comes from the fp32 accumulator the chunks' products
+    add into, not rounded to bf16 per chunk or at the end: on the torch backend it equals, to fp32
+    rounding, the float64 sum over tokens of the op's own bf16 ``softmax - onehot`` times h."""
+    torch.manual_seed(0)
+    (h, w, _), labels = make(64, 32, 40, bias=False)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_cross_entropy(h, w, labels, chunk_size=5).backward()
+    assert w.grad.dtype == torch.float32
+    assert not torch.equal(w.grad.bfloat16().float(), w.grad)  # not rounded to bf16 on the way
+    if backend != "torch":
+        return  # the interpreter rounds the CE kernel's bf16 stores its own way
+    hb = h.detach().bfloat16()
+    valid = labels != -100
+    dz = torch.softmax((hb @ w.detach().bfloat16().t()).float(), -1)
+    dz[torch.arange(len(labels))[valid], labels[valid]] -= 1
+    dz[~valid] = 0
+    want = dz.bfloat16().double().t() @ hb.double() / valid.sum()
+    assert rel_rms(w.grad.double(), want) < 1e-6
+
+
 def test_fp16_grads_survive_loss_scale(backend):
     """softmax / n_valid (~6e-7 here) is subnormal in fp16; the 1/n_valid is applied together with
     grad_output (a loss scale of 2**16), so the fp16 grads keep their precision."""
