@@ -443,12 +443,13 @@ def causal_conv1d(
 
 
 class _ColumnsConv1dFunction(torch.autograd.Function):
-    """``causal_conv1d`` of each column block of one x ``[B, T, sum D_i]`` (without states): the
-    outputs are the blocks' own tensors, and the backward writes every block's input gradient into
-    one tensor of x's shape (``conv_bwd``'s ``dx``), so the product x came from takes it whole."""
+    """``causal_conv1d`` of each column block of one x ``[B, T, sum D_i + R]`` (without states): the
+    outputs are the blocks' own tensors (and the last R columns, copied), and the backward writes
+    every block's input gradient, and the R columns', into one tensor of x's shape (``conv_bwd``'s
+    ``dx``), so the product x came from takes it whole."""
 
     @staticmethod
-    def forward(ctx, x, packing, activation, l2s, l2_eps, *params):
+    def forward(ctx, x, packing, activation, l2s, l2_eps, passthrough, *params):
         n = len(l2s)
         weights, biases = [w.contiguous() for w in params[:n]], params[n:]
         x = rows_in_place(x)
@@ -458,8 +459,10 @@ class _ColumnsConv1dFunction(torch.autograd.Function):
             ys.append(y)
             rstds.append(rstd)
             start += w.shape[0]
+        if passthrough:
+            ys.append(x[..., start:].contiguous())
         ctx.save_for_backward(x, *weights, *biases, *rstds)
-        ctx.packing, ctx.activation, ctx.l2s = packing, activation, l2s
+        ctx.packing, ctx.activation, ctx.l2s, ctx.passthrough = packing, activation, l2s, passthrough
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -477,12 +480,15 @@ class _ColumnsConv1dFunction(torch.autograd.Function):
             dws.append(dw)
             dbs.append(db)
             start += w.shape[0]
-        return dx, None, None, None, None, *dws, *dbs
+        if ctx.passthrough:
+            rest = dx[..., start:]
+            rest.zero_() if dys[n] is None else rest.copy_(dys[n])
+        return dx, None, None, None, None, None, *dws, *dbs
 
 
 @on_input_device
 def causal_conv1d_columns(x, weights, biases=None, *, activation=None, cu_seqlens=None, l2_groups=None,
-                          l2_eps=1e-6):
+                          l2_eps=1e-6, passthrough: int = 0):
     """``causal_conv1d`` of consecutive column blocks of x, one block per weight: block i is
     ``x[..., o_i:o_i + D_i]`` with ``D_i = weights[i].shape[0]``, convolved with ``weights[i]``,
     ``biases[i]`` and ``l2_groups[i]``. Without states (training). The blocks' input gradients come
@@ -491,13 +497,18 @@ def causal_conv1d_columns(x, weights, biases=None, *, activation=None, cu_seqlen
     without a copy.
 
     Args:
-        x: ``[B, T, sum D_i]``; a column block of a wider tensor is read in place.
+        x: ``[B, T, sum D_i + passthrough]``; a column block of a wider tensor is read in place.
         weights: ``[D_i, W]`` each; biases: None or a list of ``[D_i]`` or None.
         activation, cu_seqlens, l2_eps: as in ``causal_conv1d``.
         l2_groups: None or a list of ``causal_conv1d``'s ``l2_group`` per block.
+        passthrough: x's last columns that are not convolved (the delta rules' narrow gate maps,
+            which then share the one product each way instead of a product of their own that
+            reads the layer's input again): returned as they are, their gradient placed in the
+            one input gradient.
 
     Returns:
-        a tuple of the blocks' outputs ``[B, T, D_i]`` in x's dtype.
+        a tuple of the blocks' outputs ``[B, T, D_i]`` in x's dtype, then with ``passthrough`` x's
+        last ``passthrough`` columns ``[B, T, passthrough]``.
     """
     n = len(weights)
     biases = [None] * n if biases is None else list(biases)
@@ -505,20 +516,24 @@ def causal_conv1d_columns(x, weights, biases=None, *, activation=None, cu_seqlen
     if not n or len(biases) != n or len(l2_groups) != n:
         raise ValueError(f"weights, biases and l2_groups must be lists of one length >= 1, got {n}, "
                          f"{len(biases)} and {len(l2_groups)}")
+    if isinstance(passthrough, bool) or not isinstance(passthrough, int) or passthrough < 0:
+        raise ValueError(f"passthrough must be an int >= 0, got {passthrough!r}")
     check_rank("x", x, 3, "[B, T, D]")
     widths = [w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else -1 for w in weights]
-    if sum(widths) != x.shape[2] or min(widths) < 1:
-        raise ValueError(f"weights must be [D_i, W] with the D_i summing to x's D={x.shape[2]}, got widths {widths}")
+    if sum(widths) + passthrough != x.shape[2] or min(widths) < 1:
+        raise ValueError(f"weights must be [D_i, W] with the D_i and passthrough={passthrough} summing to x's "
+                         f"D={x.shape[2]}, got widths {widths}")
     starts = [sum(widths[:i]) for i in range(n)]
     for i, (w, b, g) in enumerate(zip(weights, biases, l2_groups)):
         check_conv_inputs(x[..., starts[i]:starts[i] + widths[i]], w, b, activation, cu_seqlens, None, g)
     fused = all(g is None or not (g & (g - 1) or g > MAX_L2_GROUP) for g in l2_groups)
     if kernel_backend(x) == "torch" or not fused:
-        return tuple(causal_conv1d(x[..., s:s + d], w, b, activation=activation, cu_seqlens=cu_seqlens, l2_group=g,
-                                   l2_eps=l2_eps)[0] for s, d, w, b, g in zip(starts, widths, weights, biases, l2_groups))
+        ys = tuple(causal_conv1d(x[..., s:s + d], w, b, activation=activation, cu_seqlens=cu_seqlens, l2_group=g,
+                                 l2_eps=l2_eps)[0] for s, d, w, b, g in zip(starts, widths, weights, biases, l2_groups))
+        return ys + (x[..., sum(widths):],) if passthrough else ys
     packing = None if cu_seqlens is None else prepare_packing(cu_seqlens, x.shape[1], device=x.device)
     return _ColumnsConv1dFunction.apply(x, packing, activation, tuple(g or 0 for g in l2_groups), float(l2_eps),
-                                        *weights, *biases)
+                                        passthrough, *weights, *biases)
 
 
 def _check_update(x, conv_state, weight, bias, activation, l2_group=None) -> None:

@@ -14,6 +14,7 @@ from ttr.kernels.common.index import CHUNK_SIZE, tuned
 from ttr.kernels.conv import causal_conv1d_columns
 
 from ..modules import (
+    NARROW_MAP,
     ShortConv,
     joined_linears,
     l2_normalize,
@@ -80,16 +81,23 @@ class LinearMixer(Mixer):
         maps = [getattr(self, n) for n in names]
         joined = None
         if self.convs is not None and mask is None and layer_cache is None and not decoding and self._columns():
-            joined = joined_linears(x, maps[:3], *maps[3:])
+            narrow = self._passed_through(maps)
+            others = [i for i in range(3, len(maps)) if i not in narrow]
+            joined = joined_linears(x, maps[:3] + [maps[i] for i in narrow], *[maps[i] for i in others])
         if joined is not None:
             # q, k and v as one product, its gradient one tensor that the convs' backward writes
             # (``kernels.conv.causal_conv1d_columns``): one input-gradient product instead of three
-            # that add into dx, and one product each forward and for the weights
-            out = dict(zip(names[3:], joined[1:]))
-            q, k, v = causal_conv1d_columns(
+            # that add into dx, and one product each forward and for the weights; the narrow gate
+            # maps join it as columns the convs pass through, where a product of their own would
+            # read x once more each way for a few outputs
+            out = dict(zip([names[i] for i in others], joined[1:]))
+            widths = [maps[i].out_features for i in narrow]
+            q, k, v, *passed = causal_conv1d_columns(
                 joined[0], [c.weight for c in self.convs], [c.bias for c in self.convs], activation="silu",
-                cu_seqlens=cu_seqlens, l2_groups=[c.l2_group for c in self.convs],
+                cu_seqlens=cu_seqlens, l2_groups=[c.l2_group for c in self.convs], passthrough=sum(widths),
             )
+            if narrow:
+                out.update(zip([names[i] for i in narrow], passed[0].split(widths, -1)))
         else:
             out = dict(zip(names, linears(x, *maps)))
             q, k, v = out.pop("q_proj"), out.pop("k_proj"), out.pop("v_proj")
@@ -109,6 +117,18 @@ class LinearMixer(Mixer):
         ``ShortConv`` without hooks (as ``linears`` asks of its maps), unless
         ``TUNING["qkv_columns"] = {"enabled": False}`` (for measurement)."""
         return plain_modules(self.convs, (ShortConv,)) and tuned("qkv_columns", enabled=True)["enabled"]
+
+    @staticmethod
+    def _passed_through(maps) -> list[int]:
+        """The indices of the narrow maps after q, k and v (``NARROW_MAP`` outputs or fewer) that
+        join q, k and v's product, passed through by the convs: those whose weight dtype and bias
+        (or none) are q's, as one product asks; none under ``TUNING["qkv_columns"] = {"narrow":
+        False}`` (for measurement)."""
+        if not tuned("qkv_columns", narrow=True)["narrow"]:
+            return []
+        q = maps[0]
+        return [i for i in range(3, len(maps)) if isinstance(maps[i], nn.Linear) and maps[i].out_features <= NARROW_MAP
+                and maps[i].weight.dtype == q.weight.dtype and (maps[i].bias is None) == (q.bias is None)]
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""

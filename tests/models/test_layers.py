@@ -81,9 +81,10 @@ def test_delta_rules_take_beta_in_fp32_under_autocast(name, monkeypatch):
 @pytest.mark.parametrize("packed", [False, True])
 def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
     """With short convs (training, no mask) q, k and v run as one projection whose gradient the
-    convs give back as one tensor (``causal_conv1d_columns``); the layer's output and every
-    gradient are those of the three projections and convs it replaces, and a mask or a cache takes
-    the three."""
+    convs give back as one tensor (``causal_conv1d_columns``), the narrow gate maps (beta, and
+    Gated DeltaNet's decay) as columns of it that the convs pass through; the layer's output and
+    every gradient are those of the separate projections and convs it replaces, and a mask or a
+    cache takes the separate ones."""
     from ttr.kernels.common.index import TUNING
     from ttr.models.layers import linear as linear_layer
 
@@ -95,21 +96,25 @@ def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
             p.normal_(0.0, 0.1)
     calls = []
     real = linear_layer.causal_conv1d_columns
-    monkeypatch.setattr(linear_layer, "causal_conv1d_columns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(linear_layer, "causal_conv1d_columns",
+                        lambda *a, **k: calls.append(k["passthrough"]) or real(*a, **k))
     x = torch.randn(1 if packed else 2, 40, 64)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32) if packed else None
     results = []
-    for enabled in (True, False):
-        monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": enabled})
+    for tuning in ({"enabled": True}, {"enabled": True, "narrow": False}, {"enabled": False}):
+        monkeypatch.setitem(TUNING, "qkv_columns", tuning)
         xx = x.clone().requires_grad_()
         for p in layer.parameters():
             p.grad = None
         out = layer(xx, cu_seqlens=cu)
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         results.append([out.detach(), xx.grad] + [p.grad for p in layer.parameters()])
-    assert len(calls) == 1
-    for a, b in zip(*results):  # the same sums, in another order inside the products
-        assert a.shape == b.shape and ((a - b).norm() / b.norm()) < 1e-5
+    from ttr.models.modules import NARROW_MAP
+    narrow = [getattr(layer, n).out_features for n in layer.input_projections[3:]]
+    assert calls == [sum(w for w in narrow if w <= NARROW_MAP), 0] and calls[0] >= 2  # beta per head, at least
+    for other in results[1:]:
+        for a, b in zip(results[0], other):  # the same sums, in another order inside the products
+            assert a.shape == b.shape and ((a - b).norm() / b.norm()) < 1e-5
     monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": True})
     layer(x, mask=torch.ones(x.shape[:2], dtype=torch.bool) if not packed else None, cu_seqlens=cu)
-    assert len(calls) == (1 if not packed else 2)
+    assert len(calls) == (2 if not packed else 3)
