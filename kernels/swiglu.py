@@ -38,48 +38,87 @@ from ttr.kernels.utils import (
     weight_grad,
 )
 
-BLOCK = 2048
+# tiles of BR rows by BC columns: the rows of gate and up may be column blocks of one wider
+# product (``swiglu_linear`` of both halves), so each row starts at its own stride
+BR, BC = 4, 512
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g, u, y, N, BLOCK: tl.constexpr):
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < N
-    b_g = tl.load(g + o, mask=m, other=0.0).to(tl.float32)
-    b_u = tl.load(u + o, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + o, (b_g * tl.sigmoid(b_g) * b_u).to(y.dtype.element_ty), mask=m)
+def _rows_tile(R, I, BR: tl.constexpr, BC: tl.constexpr):
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    return o_r[:, None], o_c[None, :], (o_r < R)[:, None] & (o_c < I)[None, :]
 
 
 @triton.jit
-def _swiglu_bwd_kernel(g, u, dy, dg, du, y, N, BLOCK: tl.constexpr, STORE_Y: tl.constexpr):
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < N
-    b_g = tl.load(g + o, mask=m, other=0.0).to(tl.float32)
-    b_u = tl.load(u + o, mask=m, other=0.0).to(tl.float32)
-    b_dy = tl.load(dy + o, mask=m, other=0.0).to(tl.float32)
+def _swiglu_fwd_kernel(g, u, y, R, I, s_g, s_u, BR: tl.constexpr, BC: tl.constexpr):
+    o_r, o_c, m = _rows_tile(R, I, BR, BC)
+    b_g = tl.load(g + o_r * s_g + o_c, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(u + o_r * s_u + o_c, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + o_r * I + o_c, (b_g * tl.sigmoid(b_g) * b_u).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(g, u, dy, dg, du, y, R, I, s_g, s_u, s_d, BR: tl.constexpr, BC: tl.constexpr,
+                       STORE_Y: tl.constexpr):
+    o_r, o_c, m = _rows_tile(R, I, BR, BC)
+    b_g = tl.load(g + o_r * s_g + o_c, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(u + o_r * s_u + o_c, mask=m, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy + o_r * I + o_c, mask=m, other=0.0).to(tl.float32)
     b_s = tl.sigmoid(b_g)
-    tl.store(du + o, (b_dy * b_g * b_s).to(du.dtype.element_ty), mask=m)
-    tl.store(dg + o, (b_dy * b_u * b_s * (1.0 + b_g * (1.0 - b_s))).to(dg.dtype.element_ty), mask=m)
+    tl.store(du + o_r * s_d + o_c, (b_dy * b_g * b_s).to(du.dtype.element_ty), mask=m)
+    tl.store(dg + o_r * s_d + o_c, (b_dy * b_u * b_s * (1.0 + b_g * (1.0 - b_s))).to(dg.dtype.element_ty), mask=m)
     if STORE_Y:  # the forward's product again, for swiglu_linear's weight gradient
-        tl.store(y + o, (b_g * b_s * b_u).to(y.dtype.element_ty), mask=m)
+        tl.store(y + o_r * I + o_c, (b_g * b_s * b_u).to(y.dtype.element_ty), mask=m)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between the rows of t taken as ``[numel / I, I]`` (unit stride along I), or None
+    where its leading dims do not lay the rows out evenly: a contiguous tensor's is I, a column
+    block's of one wider product the product's width."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return None
+    step = expect = None
+    for n, st in reversed(list(zip(t.shape[:-1], t.stride()[:-1]))):
+        if n == 1:
+            continue
+        if step is not None and st != expect:
+            return None
+        step = st if step is None else step
+        expect = st * n
+    return t.shape[-1] if step is None else step
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t if the kernels can read it in place (``_row_stride``), else a contiguous copy."""
+    return t if _row_stride(t) is not None else t.contiguous()
 
 
 def _swiglu_fwd(gate, up):
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _swiglu_fwd_kernel[(cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=8)
+    """``y [..., I]`` (contiguous) of gate and up as ``_rows_of`` gives them."""
+    i = gate.shape[-1]
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    r = gate.numel() // i if i else 0
+    if r and i:
+        _swiglu_fwd_kernel[(cdiv(r, BR), cdiv(i, BC))](gate, up, y, r, i, _row_stride(gate), _row_stride(up), BR=BR,
+                                                        BC=BC, num_warps=8)
     return y
 
 
-def _swiglu_bwd(gate, up, dy, store_y: bool):
-    """``(d_gate, d_up, y or None)`` of contiguous tensors."""
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
-    y = torch.empty_like(gate) if store_y else None
-    n = gate.numel()
-    if n:
-        _swiglu_bwd_kernel[(cdiv(n, BLOCK),)](gate, up, dy, dg, du, y if store_y else dg, n, BLOCK=BLOCK,
-                                                      STORE_Y=store_y, num_warps=8)
+def _swiglu_bwd(gate, up, dy, store_y: bool, dgu=None):
+    """``(d_gate, d_up, y or None)``, gate and up as ``_rows_of`` gives them, dy contiguous; with
+    ``dgu [..., 2I]`` d_gate and d_up are written into its two halves (and returned as its views)."""
+    i = gate.shape[-1]
+    if dgu is None:
+        dg, du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device), torch.empty_like(dy)
+    else:
+        dg, du = dgu[..., :i], dgu[..., i:]
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_y else None
+    r = gate.numel() // i if i else 0
+    if r and i:
+        _swiglu_bwd_kernel[(cdiv(r, BR), cdiv(i, BC))](
+            gate, up, dy, dg, du, y if store_y else dg, r, i, _row_stride(gate), _row_stride(up), _row_stride(dg),
+            BR=BR, BC=BC, STORE_Y=store_y, num_warps=8)
     return dg, du, y
 
 
@@ -92,7 +131,7 @@ def _swiglu_bwd_torch(gate, up, dy, store_y: bool):
 class _SwiGLUTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
+        gate, up = _rows_of(gate), _rows_of(up)
         ctx.save_for_backward(gate, up)
         return _swiglu_fwd(gate, up)
 
@@ -120,12 +159,16 @@ class _SwiGLULinear(torch.autograd.Function):
     """``F.linear(silu(gate) * up, weight, bias)``, the weight and bias cast to gate's dtype inside
     (autocast's cast), saving ``gate``, ``up`` and the cast weight; the backward forms the product
     again in its own kernel (module docstring) and returns the weight's and bias's gradients in
-    their own dtypes (``weight_grad``)."""
+    their own dtypes (``weight_grad``). With ``up`` None, gate holds gate and up as its two halves
+    (one product of both maps), read in place, and their gradient comes back as one tensor."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, triton_path):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = _swiglu_fwd(gate, up) if triton_path else torch.nn.functional.silu(gate) * up
+        ctx.joined = up is None
+        if triton_path:
+            gate, up = _rows_of(gate), (None if up is None else _rows_of(up))
+        g, u = _halves(gate) if ctx.joined else (gate, up)
+        y = _swiglu_fwd(g, u) if triton_path else torch.nn.functional.silu(g) * u
         out, w = cast_linear(y, weight, bias)
         ctx.save_for_backward(gate, up, w)
         ctx.triton_path = triton_path
@@ -136,14 +179,26 @@ class _SwiGLULinear(torch.autograd.Function):
     def backward(ctx, dout):
         gate, up, w = ctx.saved_tensors
         need = ctx.needs_input_grad
+        g, u = _halves(gate) if ctx.joined else (gate, up)
         dout2 = dout.reshape(-1, w.shape[0])
-        dy = (dout2 @ w).view(gate.shape)
-        bwd = _swiglu_bwd if ctx.triton_path else _swiglu_bwd_torch
-        dg, du, y = bwd(gate, up, dy, store_y=need[2])
+        dy = (dout2 @ w).view(g.shape)
+        if ctx.triton_path:
+            dgu = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if ctx.joined else None
+            dg, du, y = _swiglu_bwd(g, u, dy, store_y=need[2], dgu=dgu)
+        else:
+            dg, du, y = _swiglu_bwd_torch(g, u, dy, store_y=need[2])
+            dgu = torch.cat([dg, du], -1) if ctx.joined else None
         del dy
-        dw = weight_grad(dout2, y.view(-1, w.shape[1]), ctx.dtypes[0]) if need[2] else None
+        dw = weight_grad(dout2, y.reshape(-1, w.shape[1]), ctx.dtypes[0]) if need[2] else None
         db = bias_grad(dout2, ctx.dtypes[1]) if need[3] else None
-        return dg, du, dw, db, None
+        grads = (dgu, None) if ctx.joined else (dg, du)
+        return *grads, dw, db, None
+
+
+def _halves(gate_up: torch.Tensor):
+    """Views of the gate and up halves of ``[..., 2I]``."""
+    i = gate_up.shape[-1] // 2
+    return gate_up[..., :i], gate_up[..., i:]
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -184,13 +239,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @on_input_device
-def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)``: SwiGLU's product and the projection after it,
     without keeping the product for the backward (module docstring).
 
     Args:
-        gate, up: ``[..., I]``, as in ``swiglu``.
+        gate, up: ``[..., I]``, as in ``swiglu``; or up None and gate ``[..., 2I]``, gate and up
+            as its two halves (the one product of an MLP's two maps), read in place, their
+            gradient one tensor of gate's shape, so the product takes it whole.
         weight: ``[O, I]``; cast to gate's dtype for the product (as autocast casts a weight),
             its gradient returned in its own dtype.
         bias: ``[O]`` or None, the same.
@@ -198,7 +255,14 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
     Returns:
         ``[..., O]`` in gate's dtype; gradients flow to gate, up, weight and bias.
     """
-    _check(gate, up)
-    check_projection("weight", weight, "bias", bias, gate.shape[-1], "I, gate's last dim", gate)
+    if up is None:
+        check_dtype("gate", gate)
+        if gate.dim() < 1 or gate.shape[-1] % 2:
+            raise ValueError(f"gate with up None must be [..., 2I] (an even last dim), got {tuple(gate.shape)}")
+        width = gate.shape[-1] // 2
+    else:
+        _check(gate, up)
+        width = gate.shape[-1]
+    check_projection("weight", weight, "bias", bias, width, "I, gate's last dim" + (" / 2" if up is None else ""), gate)
     triton_path = kernel_backend(gate) == "triton" and gate.dtype != torch.float64
     return _SwiGLULinear.apply(gate, up, weight, bias, triton_path)

@@ -35,6 +35,26 @@ def test_swiglu(backend, shape):
     check(4 * torch.randn(*shape, device=DEVICE), torch.randn(*shape, device=DEVICE), 1e-6)
 
 
+def test_swiglu_strided_inputs(backend):
+    """Column blocks of a wider tensor are read in place; leading dims that are not one run of rows
+    (a transpose) and a last dim without unit stride are copied first: the same results, the
+    gradient reaching the wider tensor's columns."""
+    wide = 4 * torch.randn(2, 5, 300, device=DEVICE)
+    dy = torch.randn(5, 2, 130, device=DEVICE, dtype=torch.float64)
+    views = (lambda t: (t[..., :130], t[..., 150:280]),
+             lambda t: (t[..., :130].transpose(0, 1), t[..., 150:280].transpose(0, 1)),
+             lambda t: (t[:, :, :260:2], t[:, :, 1:260:2]))
+    for view in views:
+        outs = []
+        for upcast, fn in ((False, swiglu), (True, reference_swiglu)):
+            leaf = (wide.double() if upcast else wide.clone()).requires_grad_()
+            y = fn(*view(leaf))
+            d = dy if y.shape == dy.shape else dy.transpose(0, 1)
+            outs.append((y, torch.autograd.grad(y, leaf, d.to(y.dtype))[0]))
+        (y, g), (y_ref, g_ref) = outs
+        assert rel_rms(y, y_ref) < 1e-6 and rel_rms(g, g_ref) < 1e-6
+
+
 def test_swiglu_half_inputs(backend):
     g, u = (torch.randn(7, 300, device=DEVICE, dtype=torch.float16) for _ in range(2))
     check(g, u, 2e-3)
@@ -120,6 +140,51 @@ def test_swiglu_linear_bad_inputs():
         swiglu_linear(g, u, torch.randn(5, 8), torch.randn(4))
     with pytest.raises(ValueError, match="up"):
         swiglu_linear(g, torch.randn(3, 7), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="even last dim"):
+        swiglu_linear(torch.randn(3, 9), None, torch.randn(5, 4))
+    with pytest.raises(ValueError, match="gate's last dim / 2"):
+        swiglu_linear(g, None, torch.randn(5, 8))
+
+
+def check_halves(gu, w, b):
+    """swiglu_linear of gate and up as the two halves of gu (read in place) against the same op on
+    the halves as tensors of their own: the same bits, and gu's gradient one tensor holding theirs."""
+    i = gu.shape[-1] // 2
+    dout = torch.randn(*gu.shape[:-1], w.shape[0], device=gu.device, dtype=gu.dtype)
+    outs = []
+    for joined in (True, False):
+        leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (gu, w, b)]
+        if joined:
+            args = (leaves[0], None)
+        else:
+            leaves[:1] = [leaves[0][..., :i].detach().clone().requires_grad_(),
+                          leaves[0][..., i:].detach().clone().requires_grad_()]
+            args = tuple(leaves[:2])
+        used = [t for t in leaves if t is not None]
+        y = swiglu_linear(*args, *leaves[-2:])
+        grads = torch.autograd.grad(y, used, dout)
+        outs.append((y, torch.cat(grads[:2], -1) if not joined else grads[0], grads[-2 if b is not None else -1:]))
+    (y, dgu, rest), (y_ref, dgu_ref, rest_ref) = outs
+    assert dgu.shape == gu.shape
+    for a, r in zip((y, dgu, *rest), (y_ref, dgu_ref, *rest_ref)):
+        assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_linear_halves_are_the_pair(backend, bias):
+    wide = torch.randn(3, 70, 2 * 96 + 24, device=DEVICE)
+    gu = wide[..., 8:8 + 2 * 96]  # a column block of a wider product, read in place
+    check_halves(gu, torch.randn(40, 96, device=DEVICE) / 10, torch.randn(40, device=DEVICE) if bias else None)
+
+
+def test_swiglu_linear_halves_keep_no_product(backend):
+    gu = torch.randn(4, 32, 96, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, 48, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        swiglu_linear(gu, None, w).sum().backward()
+    assert sorted(saved) == sorted([gu.numel(), w.numel()])
+    assert gu.grad is not None and gu.grad.shape == gu.shape
 
 
 @pytest.mark.gpu
@@ -129,6 +194,14 @@ def test_gpu_swiglu_linear(monkeypatch):
     g, u = (torch.randn(2048, 5632, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.randn(2048, 5632, device="cuda") / 75
     check_linear(g, u, w, None, 1e-2, autocast=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_linear_halves(monkeypatch):
+    """bf16 at an MLP's shape, gate and up as the halves of one product: the bits of the pair."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    gu = torch.randn(2048, 2 * 5632, device="cuda", dtype=torch.bfloat16)
+    check_halves(gu, (torch.randn(2048, 5632, device="cuda") / 75).bfloat16(), None)
 
 
 @pytest.mark.gpu
