@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from ttr.kernels.common.index import tuned
 from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
 from ttr.kernels.norm import norm_linear as fused_norm_linear
@@ -55,24 +56,27 @@ class _SharedInputLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, n, joined, *params):
-        weights = [w.to(x.dtype) for w in params[:n]]
         biases = [b.to(x.dtype) if b is not None else None for b in params[n:]]
         groups = _map_groups(params, n, joined)
         outs, kept = [None] * n, []
         for group in groups:
-            w = weights[group[0]] if len(group) == 1 else torch.cat([weights[i] for i in group])
+            if len(group) == 1:
+                w = params[group[0]].to(x.dtype)
+            else:  # cast as it is stacked: one pass over each weight, no cast copies to stack again
+                w = torch.empty(sum(params[i].shape[0] for i in group), x.shape[-1], dtype=x.dtype, device=x.device)
+                torch.cat([params[i] for i in group], out=w)
             bs = [biases[i] for i in group]
             b = bs[0] if len(group) == 1 else None if all(c is None for c in bs) else torch.cat(
-                [c if c is not None else w.new_zeros(weights[i].shape[0]) for i, c in zip(group, bs)])
+                [c if c is not None else w.new_zeros(params[i].shape[0]) for i, c in zip(group, bs)])
             y = torch.nn.functional.linear(x, w, b)
             if joined and group[0] == 0:
                 outs[0] = y
             else:
-                for i, yi in zip(group, y.split([weights[i].shape[0] for i in group], -1)):
+                for i, yi in zip(group, y.split([params[i].shape[0] for i in group], -1)):
                     outs[i] = yi
             kept.append(w)
         ctx.save_for_backward(x, *kept)
-        ctx.n, ctx.joined, ctx.groups, ctx.widths = n, joined, groups, [w.shape[0] for w in weights]
+        ctx.n, ctx.joined, ctx.groups, ctx.widths = n, joined, groups, [w.shape[0] for w in params[:n]]
         ctx.dtypes = [p.dtype if p is not None else None for p in params]
         ctx.set_materialize_grads(False)
         return (outs[0], *outs[joined:]) if joined else tuple(outs)
@@ -228,8 +232,20 @@ class SwiGLU(nn.Module):
         self.down_proj._residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, self.gate_proj, self.up_proj)
         down = self.down_proj
+        joined = joined_linears(x, [self.gate_proj, self.up_proj]) if tuned("mlp_columns", enabled=True)[
+            "enabled"] else None
+        if joined is not None:
+            # gate and up as one product, which the product and projection below read as its two
+            # halves and whose gradient they give back as one tensor: one product each way where
+            # two would read x twice forward and add into dx one after the other, and one weight
+            # gradient product of twice the rows. ``TUNING["mlp_columns"] = {"enabled": False}``
+            # takes the two products (for measurement).
+            if _fusable(down, joined[0]):
+                return swiglu_linear(joined[0], None, down.weight, down.bias)
+            gate, up = joined[0].chunk(2, -1)
+        else:
+            gate, up = linears(x, self.gate_proj, self.up_proj)
         if _fusable(down, gate):  # the product is not kept for the down projection's backward
             return swiglu_linear(gate, up, down.weight, down.bias)
         return linear(swiglu(gate, up), down)

@@ -173,10 +173,19 @@ def test_narrow_maps_share_one_product():
     assert sorted(s for _, s in mode.seen if s[0] == 10) == [(10, 24), (10, 24)]  # one dW per product
 
 
+@pytest.mark.parametrize("columns", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_swiglu_mlp_as_its_modules(autocast):
-    """The MLP (whose down projection runs with the product in ``swiglu_linear``) gives the
-    output and gradients of its modules called one by one."""
+def test_swiglu_mlp_as_its_modules(autocast, columns, monkeypatch):
+    """The MLP (whose down projection runs with the product in ``swiglu_linear``, gate and up as
+    the halves of one product unless ``TUNING["mlp_columns"]`` says otherwise) gives the output and
+    gradients of its modules called one by one."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.models import modules
+
+    monkeypatch.setitem(TUNING, "mlp_columns", {"enabled": columns})
+    halves = []
+    real = modules.swiglu_linear
+    monkeypatch.setattr(modules, "swiglu_linear", lambda g, u, *a: halves.append(u is None) or real(g, u, *a))
     torch.manual_seed(0)
     mlp = SwiGLU(24, 40, bias=True)
     x = torch.randn(2, 9, 24)
@@ -194,6 +203,7 @@ def test_swiglu_mlp_as_its_modules(autocast):
     for a, b in zip(*results):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item())
+    assert halves == [columns]
 
 
 @pytest.mark.parametrize("bias", [False, True])
