@@ -480,9 +480,10 @@ class _ColumnsConv1dFunction(torch.autograd.Function):
             dws.append(dw)
             dbs.append(db)
             start += w.shape[0]
-        if ctx.passthrough:
-            rest = dx[..., start:]
-            rest.zero_() if dys[n] is None else rest.copy_(dys[n])
+        if ctx.passthrough and dys[n] is not None:
+            dx[..., start:].copy_(dys[n])
+        elif ctx.passthrough:
+            dx[..., start:].zero_()
         return dx, None, None, None, None, None, *dws, *dbs
 
 

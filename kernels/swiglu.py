@@ -110,7 +110,7 @@ def _swiglu_bwd(gate, up, dy, store_y: bool, dgu=None):
     ``dgu [..., 2I]`` d_gate and d_up are written into its two halves (and returned as its views)."""
     i = gate.shape[-1]
     if dgu is None:
-        dg, du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device), torch.empty_like(dy)
+        dg, du = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
     else:
         dg, du = dgu[..., :i], dgu[..., i:]
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if store_y else None
