@@ -138,7 +138,7 @@ def test_autocast_weight_grad_from_fp32_accumulator(backend):
     assert w.grad.dtype == torch.float32
     assert not torch.equal(w.grad.bfloat16().float(), w.grad)  # not rounded to bf16 on the way
     if backend != "torch":
-        return  # the interpreter rounds the CE kernel's bf16 stores its own way
+        return  # the interpreter truncates the CE kernel's bf16 stores rather than rounding them
     hb = h.detach().bfloat16()
     valid = labels != -100
     dz = torch.softmax((hb @ w.detach().bfloat16().t()).float(), -1)
