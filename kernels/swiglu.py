@@ -82,9 +82,10 @@ def _row_stride(t: torch.Tensor) -> int | None:
     for n, st in reversed(list(zip(t.shape[:-1], t.stride()[:-1]))):
         if n == 1:
             continue
-        if step is not None and st != expect:
+        if step is None:
+            step = st
+        elif st != expect:
             return None
-        step = st if step is None else step
         expect = st * n
     return t.shape[-1] if step is None else step
 
