@@ -136,12 +136,18 @@ def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
     return _shared_input(x, modules, 0) or tuple(m(x) for m in modules)
 
 
+def joinable(maps) -> bool:
+    """Whether ``maps`` (``nn.Linear``) can run as one product: one weight dtype, and a bias on
+    every map or on none."""
+    return len({m.weight.dtype for m in maps}) == 1 and len({m.bias is None for m in maps}) == 1
+
+
 def joined_linears(x: torch.Tensor, joined, *others: nn.Module) -> tuple[torch.Tensor, ...] | None:
     """``(cat([m(x) for m in joined], -1), *(m(x) for m in others))`` by ``_SharedInputLinear``,
     the ``joined`` maps as one product whose output is one tensor (and whose gradient comes back as
     one); None where ``linears`` would call the modules (the caller then takes its own path)."""
     joined = list(joined)
-    if len(joined) < 2 or len({m.weight.dtype for m in joined}) > 1 or len({m.bias is None for m in joined}) > 1:
+    if len(joined) < 2 or not joinable(joined):
         return None
     return _shared_input(x, [*joined, *others], len(joined))
 

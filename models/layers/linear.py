@@ -16,6 +16,7 @@ from ttr.kernels.conv import causal_conv1d_columns
 from ..modules import (
     NARROW_MAP,
     ShortConv,
+    joinable,
     joined_linears,
     l2_normalize,
     linears,
@@ -121,14 +122,12 @@ class LinearMixer(Mixer):
     @staticmethod
     def _passed_through(maps) -> list[int]:
         """The indices of the narrow maps after q, k and v (``NARROW_MAP`` outputs or fewer) that
-        join q, k and v's product, passed through by the convs: those whose weight dtype and bias
-        (or none) are q's, as one product asks; none under ``TUNING["qkv_columns"] = {"narrow":
-        False}`` (for measurement)."""
+        join q, k and v's product, passed through by the convs: those that can share q's product
+        (``joinable``); none under ``TUNING["qkv_columns"] = {"narrow": False}`` (for measurement)."""
         if not tuned("qkv_columns", narrow=True)["narrow"]:
             return []
-        q = maps[0]
         return [i for i in range(3, len(maps)) if isinstance(maps[i], nn.Linear) and maps[i].out_features <= NARROW_MAP
-                and maps[i].weight.dtype == q.weight.dtype and (maps[i].bias is None) == (q.bias is None)]
+                and joinable([maps[0], maps[i]])]
 
     def run_kernel(self, chunk_fn, recurrent_fn, *inputs, layer_cache, decoding, cu_seqlens):
         """Run the mixer's op from (and into) the cached recurrent state; returns o ``[B, T, H, V]``."""

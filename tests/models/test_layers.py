@@ -118,3 +118,29 @@ def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
     monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": True})
     layer(x, mask=torch.ones(x.shape[:2], dtype=torch.bool) if not packed else None, cu_seqlens=cu)
     assert len(calls) == (2 if not packed else 3)
+
+
+def test_narrow_map_that_cannot_share_the_product_stays_apart(monkeypatch):
+    """A narrow map whose bias differs from q's (``joinable``) is not passed through the convs: q,
+    k and v still run as one product, and the layer gives the separate projections' results."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.models.layers import linear as linear_layer
+
+    torch.manual_seed(0)
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=["delta_net"], num_heads=2)
+    layer = LAYER_TYPES["delta_net"](cfg, 0)
+    layer.b_proj.bias = torch.nn.Parameter(torch.zeros(2))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    calls = []
+    real = linear_layer.causal_conv1d_columns
+    monkeypatch.setattr(linear_layer, "causal_conv1d_columns",
+                        lambda *a, **k: calls.append(k["passthrough"]) or real(*a, **k))
+    x = torch.randn(2, 40, 64)
+    outs = []
+    for enabled in (True, False):
+        monkeypatch.setitem(TUNING, "qkv_columns", {"enabled": enabled})
+        outs.append(layer(x).detach())
+    assert calls == [0]
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()) < 1e-5
