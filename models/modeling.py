@@ -34,14 +34,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ttr.kernels.common.index import Packing, prepare_packing, tuned
-from ttr.kernels.embedding import embedding
+from ttr.kernels.common.index import Packing, prepare_packing
 from ttr.kernels.loss import linear_cross_entropy
 
 from .cache import TTRCache
 from .configuration import TTRConfig
 from .layers import LAYER_TYPES
-from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU, plain_modules
+from .modules import GatedRMSNorm, RMSNorm, ShortConv, SwiGLU
 from .remote_code import SavesRemoteCode
 
 
@@ -207,24 +206,6 @@ class TTRModel(TTRPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings = value
 
-    def _embed(self, input_ids):
-        """The embedding's rows of ``input_ids``. In training, ttr's ``embedding`` in place of the
-        plain ``nn.Embedding`` module: the same gather, and a backward that sums the table's
-        gradient rows in one pass over the ids sorted once, where ``F.embedding``'s backward takes
-        several (``kernels.embedding``). ``TUNING["embedding"] = {"enabled": False}`` calls the
-        module (for measurement)."""
-        emb = self.embeddings
-        if (
-            torch.is_grad_enabled()
-            and plain_modules([emb], (nn.Embedding,))
-            and emb.max_norm is None
-            and not (emb.sparse or emb.scale_grad_by_freq)
-            and type(emb.weight) is nn.Parameter
-            and tuned("embedding", enabled=True)["enabled"]
-        ):
-            return embedding(emb.weight, input_ids, emb.padding_idx)
-        return emb(input_ids)
-
     def _resolve_masks(self, attention_mask, b: int, t: int, seen: int):
         if attention_mask is None:
             return None, None
@@ -293,7 +274,7 @@ class TTRModel(TTRPreTrainedModel):
                 "state instead, and the attention kernels do not materialise the weights); the "
                 "output's attentions stay None",
             )
-        hidden = self._embed(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = hidden.shape[:2]
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training

@@ -259,37 +259,3 @@ def test_joined_linears_decline_what_linears_calls():
     hooked.register_forward_hook(lambda *args: None)
     assert joined_linears(x, [a, hooked]) is None
     assert joined_linears(x, [a, b])[0].shape == (2, 3, 8)
-
-
-@pytest.mark.parametrize("backend,enabled", [("torch", True), ("torch", False), ("triton", True)])
-def test_model_embedding_as_the_module(backend, enabled, monkeypatch):
-    """In training the model looks its tokens up by ``kernels.embedding`` (unless ``TUNING["embedding"]``
-    says otherwise; never without gradients or for a module with hooks): the module's output and the
-    same gradients, the table's tied with the LM head."""
-    from ttr.kernels import embedding as emb_kernel
-    from ttr.kernels.common.index import TUNING
-    from ttr.models import TTRForCausalLM, get_preset, modeling
-
-    monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
-    monkeypatch.setitem(TUNING, "embedding", {"enabled": enabled})
-    calls = []
-    monkeypatch.setattr(modeling, "embedding", lambda *a: calls.append(1) or emb_kernel.embedding(*a))
-    torch.manual_seed(0)
-    model = TTRForCausalLM(get_preset("gla-debug", vocab_size=64, tie_word_embeddings=True))
-    ids = torch.randint(0, 64, (2, 11))
-    ids[:, ::3] = 5
-    grads = []
-    for hook in (False, True):
-        handle = model.model.embeddings.register_forward_hook(lambda *a: None) if hook else None
-        model.zero_grad()
-        out = model(ids, labels=ids)
-        out.loss.backward()
-        grads.append((out.loss.detach(), model.model.embeddings.weight.grad.clone()))
-        if handle is not None:
-            handle.remove()
-    assert calls == ([1] if enabled else [])
-    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
-    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-7)
-    with torch.no_grad():
-        model(ids)
-    assert len(calls) == (1 if enabled else 0)
