@@ -194,7 +194,9 @@ def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
 # input dtype: V/64 times the size of k) and what else the mixer's backward would recompute.
 # Shorter sequences (training batches of packed documents) recompute h; the delta rules still keep
 # w and v_new (the size of k and v), with which the backward's walk needs neither the WY stage nor
-# the ``w h`` product (``delta/chunk.py``), and SSD keeps its chunks' ``C B^T`` (``ssd/chunk.py``).
+# the ``w h`` product (``delta/chunk.py``), SSD keeps its chunks' ``C B^T`` (``ssd/chunk.py``), and
+# GLA keeps h at any length (``gla/chunk.py``): at its K = V / 2, h is twice the size of k, and the
+# time it saves per byte kept is what the delta rules' w and v_new save.
 # ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the rule for every op (``recompute``: nothing
 # kept, the least memory): a run-time choice of memory against time, like the backend, never stored
 # in a model.
@@ -210,14 +212,14 @@ def chunk_states() -> str:
     return choice
 
 
-def keep_states(plan: ChunkPlan) -> bool:
+def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bool:
     """Whether the forward keeps its states for the backward: ``TTR_CHUNK_STATES`` (``auto``,
     ``keep`` or ``recompute``), by default (``auto``) when the sequences average at least
-    ``KEEP_STATES_MIN_CHUNKS`` chunks."""
+    ``min_chunks`` chunks (``KEEP_STATES_MIN_CHUNKS`` unless the op sets its own)."""
     choice = chunk_states()
     if choice != "auto":
         return choice == "keep"
-    return plan.num_chunks >= KEEP_STATES_MIN_CHUNKS * plan.num_seqs
+    return plan.num_chunks >= min_chunks * plan.num_seqs
 
 
 # Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_inverse", "wy_fwd", "wy_bwd", "output_fwd",

@@ -12,10 +12,10 @@ Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do
 the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the
 state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
 to stage in v's dtype.
-The forward keeps ``A`` and the cumulative gate (in place of the raw gate, which the backward does
-not need); the states ``h`` are recomputed in the backward, on a second stream beside the stages
-up to ``vector_gate_bwd_dqkg`` (``common.overlap``), or for long sequences kept by the forward
-(``index.KEEP_STATES_MIN_CHUNKS``).
+The forward keeps ``A``, the cumulative gate (in place of the raw gate, which the backward does
+not need) and the states ``h`` at any length (``GLA_KEEP_STATES_MIN_CHUNKS``); under
+``TTR_CHUNK_STATES=recompute`` the backward forms ``h`` again, on a second stream beside the
+stages up to ``vector_gate_bwd_dqkg`` (``common.overlap``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs
 from ttr.kernels.utils import kernel_backend, on_input_device
 
+# GLA keeps its states at every length by default (``index.keep_states``): at K = V / 2 they are
+# twice the size of k (3 GiB at a 1.3B preset's batch of 8 x 4096), and sparing the backward the
+# walk that forms them again saves as much time per byte as the delta rules' kept w and v_new
+GLA_KEEP_STATES_MIN_CHUNKS = 0
+
 
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
@@ -51,7 +56,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
         # the cumulative gate in place of the raw one (the backward needs only it): the same memory,
         # no second cumsum pass over [B, T, H, K] fp32
-        kept = (h,) if keep_states(plan) else ()
+        kept = (h,) if keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS) else ()
         ctx.save_for_backward(q, k, v, gk, A, initial_state, *kept)
         ctx.plan, ctx.scale = plan, scale
         return o, final

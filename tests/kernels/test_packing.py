@@ -219,3 +219,30 @@ def test_ops_keep_states_when_asked(monkeypatch, choice, more):
     assert count - saved_by_forward()[1] == more
     o.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, v, beta))
+
+
+@pytest.mark.parametrize("choice,more", [("keep", 1), ("auto", 1), ("recompute", 0)])
+def test_gla_keeps_its_states_at_any_length(monkeypatch, choice, more):
+    """GLA's op keeps its forward's states h (one saved tensor more than ``recompute``) by default
+    even for a short sequence, where the other ops form theirs again, and its gradients are those
+    of the op that forms them again."""
+    from ttr.kernels.gla import chunk_gla
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 70, 2, n, requires_grad=True) for n in (16, 16, 32))
+    g = (-torch.rand(1, 70, 2, 16) / 4).requires_grad_()
+    assert not index.keep_states(prepare_chunks(None, 1, 70, device="cpu"))
+
+    def run(states):
+        monkeypatch.setenv("TTR_CHUNK_STATES", states)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o, _ = chunk_gla(q, k, v, g)
+        return len(saved), torch.autograd.grad(o, (q, k, v, g), torch.ones_like(o))
+
+    count, grads = run(choice)
+    base, grads_recomputed = run("recompute")
+    assert count - base == more
+    for a, b in zip(grads, grads_recomputed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
