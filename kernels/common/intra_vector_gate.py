@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
+from ttr.kernels.common.cumsum import logit_gate_args, logit_gate_grad
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
 from ttr.kernels.common.tile import chunk_span
 
@@ -271,9 +272,10 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
 
 
 @triton.jit
-def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, cu_seqlens,
-                                chunk_indices, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, cu_seqlens,
+                                chunk_indices, scale, inv_norm, clamp, H: tl.constexpr, K: tl.constexpr,
+                                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                LOGITS: tl.constexpr, CLAMP: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_t = bos + i_c * BT + tl.arange(0, BT)
@@ -314,9 +316,11 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_dG = tl.where(m_tk, b_dG, 0)
     # gradient of the raw gate: reverse cumulative sum within the chunk
     b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
+    if LOGITS:  # on to the gate's logits (``cumsum.logit_gate``), in their dtype
+        b_dg = logit_gate_grad(tl.load(z + p_tk, mask=m_tk, other=0).to(tl.float32), b_dg, inv_norm, clamp, CLAMP)
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + p_tk, b_dg, mask=m_tk)
+    tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.Tensor:
@@ -394,8 +398,11 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     return dq, dk
 
 
-def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: ChunkPlan, *, scale: float):
-    """Full dq, dk (input dtypes) and the gradient of the raw gate dg (fp32).
+def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: ChunkPlan, *, scale: float,
+                         logits: tuple | None = None):
+    """Full dq, dk (input dtypes) and the gradient of the raw gate dg (fp32); with ``logits = (z,
+    normalizer, clamp_min)``, where the raw gate was ``cumsum.logit_gate`` of the logits z, the
+    gradient of z instead (in z's dtype).
 
     ``v`` is the value the state update used, ``h[c]`` the state before chunk c and ``dh[c]`` the
     gradient of the state after chunk c (``state.state_bwd``).
@@ -404,9 +411,12 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     V = v.shape[-1]
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dg = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    z = None if logits is None else logits[0]
+    dg = torch.empty(q.shape, device=q.device, dtype=torch.float32 if z is None else z.dtype)
+    inv_norm, clamp = logit_gate_args(None if logits is None else logits[1:])
     cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
-        q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, plan.cu_seqlens, plan.chunk_indices, scale,
-        H=H, K=K, V=V, BT=plan.chunk_size, **cfg)
+        q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices, scale,
+        inv_norm, clamp, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
+        CLAMP=logits is not None and logits[2] is not None, **cfg)
     return dq, dk, dg

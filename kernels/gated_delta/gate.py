@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.cumsum import log_sigmoid
 from ttr.kernels.common.index import cdiv, next_power_of_2
-from ttr.kernels.gla.gate import log_sigmoid
 from ttr.kernels.utils import check_dtype, check_like, kernel_backend, on_input_device
 
 BLOCK_ROWS = 256

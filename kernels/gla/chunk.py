@@ -34,7 +34,7 @@ from ttr.kernels.common.intra_vector_gate import (
 from ttr.kernels.common.overlap import kept_or_beside
 from ttr.kernels.common.state import state_bwd, state_fwd
 from ttr.kernels.common.torch_chunk import chunk_torch
-from ttr.kernels.gla.reference import check_gla_inputs
+from ttr.kernels.gla.reference import check_gla_inputs, logit_gate_of
 from ttr.kernels.utils import kernel_backend, on_input_device
 
 # GLA keeps its states at every length by default (``index.keep_states``): at K = V / 2 they are
@@ -45,11 +45,11 @@ GLA_KEEP_STATES_MIN_CHUNKS = 0
 
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
-        gk = chunk_local_cumsum(g, plan)
+        gk = chunk_local_cumsum(g, plan, logits=gate_logits)
         h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
                                 output_final_state=output_final_state)
         A = vector_gate_scores(q, k, gk, plan, scale=scale)
@@ -57,13 +57,14 @@ class ChunkGLAFunction(torch.autograd.Function):
         # the cumulative gate in place of the raw one (the backward needs only it): the same memory,
         # no second cumsum pass over [B, T, H, K] fp32
         kept = (h,) if keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS) else ()
-        ctx.save_for_backward(q, k, v, gk, A, initial_state, *kept)
-        ctx.plan, ctx.scale = plan, scale
+        # with gate_logits the logits (the size of k, in their dtype) for the gate's derivative
+        ctx.save_for_backward(q, k, v, gk, A, initial_state, None if gate_logits is None else g, *kept)
+        ctx.plan, ctx.scale, ctx.gate_logits = plan, scale, gate_logits
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, gk, A, initial_state, *kept = ctx.saved_tensors
+        q, k, v, gk, A, initial_state, z, *kept = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         # the states formed again beside the stages up to dq/dk, which do not read them (``overlap``)
@@ -74,8 +75,9 @@ class ChunkGLAFunction(torch.autograd.Function):
                                 dht=None if dht is None else dht.contiguous(),
                                 need_dh0=initial_state is not None)
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
-        dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale)
-        return dq, dk, dv, dg, dh0, None, None, None
+        dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale,
+                                          logits=None if z is None else (z, *ctx.gate_logits))
+        return dq, dk, dv, dg, dh0, None, None, None, None
 
 
 @on_input_device
@@ -89,6 +91,7 @@ def chunk_gla(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    gate_logits: tuple[float, float | None] | None = None,
 ):
     """Gated linear attention, chunkwise (training and prefill).
 
@@ -101,15 +104,23 @@ def chunk_gla(
         output_final_state: also return the final states ``[N, H, K, V]`` fp32.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B must be 1), or a
             ``Packing`` from ``prepare_packing`` (no host copy, no re-indexing).
+        gate_logits: ``(normalizer, clamp_min)``: g holds the forget gate's logits z (any float
+            dtype) and the gate is ``gla_gate(z, normalizer, clamp_min)``, formed inside the op's
+            kernels (the chunks' cumulative sum forward, the dq/dk stage backward): the values of
+            ``chunk_gla(q, k, v, gla_gate(z, ...))`` without the fp32 gate written and read each way.
 
     Returns:
-        ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g
-        and initial_state.
+        ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g (in
+        g's dtype) and initial_state.
     """
     _, scale = check_gla_inputs(
-        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        gate_logits=gate_logits,
     )
     # float64 (oracle inputs) and empty inputs take the torch path: no kernel handles either
     if kernel_backend(q) == "torch" or q.dtype == torch.float64 or q.shape[1] == 0:
-        return chunk_torch(q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens)
-    return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
+        return chunk_torch(q, k, v, logit_gate_of(g, gate_logits), None, scale, initial_state, output_final_state,
+                           cu_seqlens)
+    if gate_logits is not None:
+        gate_logits = (float(gate_logits[0]), None if gate_logits[1] is None else float(gate_logits[1]))
+    return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.cumsum import logit_gate, logit_gate_grad
 from ttr.kernels.common.index import cdiv
 from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
@@ -23,23 +24,10 @@ BLOCK = 2048
 
 
 @triton.jit
-def log_sigmoid(z):
-    # min(z, 0) - log1p(e^-|z|): no overflow for either sign. log1p(x) as log(u) x / (u - 1) with
-    # u = 1 + x (Goldberg's form): log(1 + x) alone loses x's digits when the gate is near 0 (z large)
-    x = tl.exp(-tl.abs(z))
-    u = 1.0 + x
-    exact = u == 1.0
-    return tl.minimum(z, 0.0) - tl.where(exact, x, tl.log(u) * x / tl.where(exact, 1.0, u - 1.0))
-
-
-@triton.jit
 def _gate_fwd_kernel(z, g, N, inv_norm, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
-    b_g = log_sigmoid(tl.load(z + o, mask=m, other=0.0).to(tl.float32)) * inv_norm
-    if CLAMP:
-        b_g = tl.maximum(b_g, clamp)
-    tl.store(g + o, b_g, mask=m)
+    tl.store(g + o, logit_gate(tl.load(z + o, mask=m, other=0.0).to(tl.float32), inv_norm, clamp, CLAMP), mask=m)
 
 
 @triton.jit
@@ -47,9 +35,7 @@ def _gate_bwd_kernel(z, dg, dz, N, inv_norm, clamp, CLAMP: tl.constexpr, BLOCK: 
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < N
     b_z = tl.load(z + o, mask=m, other=0.0).to(tl.float32)
-    b_dz = tl.load(dg + o, mask=m, other=0.0) * tl.sigmoid(-b_z) * inv_norm
-    if CLAMP:
-        b_dz = tl.where(log_sigmoid(b_z) * inv_norm >= clamp, b_dz, 0.0)
+    b_dz = logit_gate_grad(b_z, tl.load(dg + o, mask=m, other=0.0), inv_norm, clamp, CLAMP)
     tl.store(dz + o, b_dz.to(dz.dtype.element_ty), mask=m)
 
 
@@ -79,6 +65,15 @@ class _GLAGateTriton(torch.autograd.Function):
         return dz, None, None
 
 
+def check_gate_args(normalizer: float, clamp_min: float | None, what: str = "") -> None:
+    """The temperature > 0 and the floor None or < 0; ``what`` prefixes the names in the message."""
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
+        raise ValueError(f"{what}normalizer must be a number > 0, got {normalizer!r}")
+    if clamp_min is not None and (isinstance(clamp_min, bool) or not isinstance(clamp_min, (int, float))
+                                  or not clamp_min < 0):
+        raise ValueError(f"{what}clamp_min must be None or a number < 0 (a log gate), got {clamp_min!r}")
+
+
 def reference_gla_gate(z: torch.Tensor, normalizer: float = 16.0, clamp_min: float | None = None) -> torch.Tensor:
     """The torch expression: ``logsigmoid(z) / normalizer`` in fp32 (float64 stays float64),
     clamped below at ``clamp_min`` when given; differentiable by autograd."""
@@ -99,10 +94,7 @@ def gla_gate(z: torch.Tensor, normalizer: float = 16.0, clamp_min: float | None 
         fp32 (float64 for float64 input), z's shape; the gradient flows to z in its dtype.
     """
     check_dtype("z", z)
-    if not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
-    if clamp_min is not None and not clamp_min < 0:
-        raise ValueError(f"clamp_min must be None or < 0 (a log gate), got {clamp_min}")
+    check_gate_args(normalizer, clamp_min)
     if kernel_backend(z) == "torch" or z.dtype == torch.float64:
         return reference_gla_gate(z, normalizer, clamp_min)
     return _GLAGateTriton.apply(z, float(normalizer), None if clamp_min is None else float(clamp_min))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks
-from ttr.kernels.gla.reference import check_gla_inputs, recurrence
+from ttr.kernels.gla.reference import check_gla_inputs, logit_gate_of, recurrence
 from ttr.kernels.utils import kernel_backend, on_input_device
 
 
@@ -80,16 +80,20 @@ def recurrent_gla(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    gate_logits: tuple[float, float | None] | None = None,
 ):
     """GLA token by token, for decoding (a few tokens against a state). Forward only.
 
     Args:
-        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens: as in ``chunk_gla``.
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, gate_logits: as in
+            ``chunk_gla``.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
     _, scale = check_gla_inputs(
-        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        gate_logits=gate_logits,
     )
-    return recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    return recurrent_forward(q, k, v, logit_gate_of(g, gate_logits), scale, initial_state, output_final_state,
+                             cu_seqlens)

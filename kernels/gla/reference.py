@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.index import segments
+from ttr.kernels.gla.gate import check_gate_args, gla_gate
 from ttr.kernels.utils import (
     check_cu_seqlens,
     check_dtype,
@@ -25,8 +26,10 @@ from ttr.kernels.utils import (
 )
 
 
-def check_gla_inputs(q, k, v, g, *, vector_gate: bool, scale, initial_state, cu_seqlens, gate_name="g"):
-    """Validate (q, k, v, g, ...) of a gated linear attention op; return (N, scale)."""
+def check_gla_inputs(q, k, v, g, *, vector_gate: bool, scale, initial_state, cu_seqlens, gate_name="g",
+                     gate_logits=None):
+    """Validate (q, k, v, g, ...) of a gated linear attention op; return (N, scale). With
+    ``gate_logits = (normalizer, clamp_min)`` g holds the gate's logits, of any floating dtype."""
     check_rank("q", q, 4, "[B, T, H, K]")
     check_rank("k", k, 4, "[B, T, H, K]")
     check_rank("v", v, 4, "[B, T, H, V]")
@@ -47,7 +50,13 @@ def check_gla_inputs(q, k, v, g, *, vector_gate: bool, scale, initial_state, cu_
         expected = (b, t, h)
     if tuple(g.shape) != expected:
         raise ValueError(f"{gate_name} must have shape {expected}, got {tuple(g.shape)}")
-    check_dtype(gate_name, g, (torch.float32,))
+    if gate_logits is None:
+        check_dtype(gate_name, g, (torch.float32,))
+    else:
+        check_dtype(gate_name, g)
+        if not isinstance(gate_logits, tuple) or len(gate_logits) != 2:
+            raise TypeError(f"gate_logits must be a (normalizer, clamp_min) tuple or None, got {gate_logits!r}")
+        check_gate_args(*gate_logits, what="gate_logits' ")
     for name, x in (("k", k), ("v", v), (gate_name, g)):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
@@ -113,19 +122,28 @@ def reference_gla(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    gate_logits: tuple[float, float | None] | None = None,
 ):
     """GLA as the per-token recurrence in torch: the test oracle (float64 when inputs are float64).
 
     Slow (a Python loop over tokens).
 
     Args:
-        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens: as in ``chunk_gla``.
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, gate_logits: as in
+            ``chunk_gla``.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] or None)``, as ``chunk_gla``;
         differentiable.
     """
     _, scale = check_gla_inputs(
-        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+        q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        gate_logits=gate_logits,
     )
-    return recurrence(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens)
+    return recurrence(q, k, v, logit_gate_of(g, gate_logits), scale, initial_state, output_final_state, cu_seqlens)
+
+
+def logit_gate_of(g: torch.Tensor, gate_logits: tuple[float, float | None] | None) -> torch.Tensor:
+    """The log gate: ``gla_gate`` of the logits g under ``gate_logits = (normalizer, clamp_min)``,
+    else g itself."""
+    return g if gate_logits is None else gla_gate(g, *gate_logits)

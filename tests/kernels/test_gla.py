@@ -270,3 +270,49 @@ def test_kept_states_match_oracle(triton_backend, monkeypatch, packed):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if packed else None
     q, k, v, g, h0 = make_inputs(1, sum(lengths), 2, 6, 5, h0=True, n=len(lengths))
     check(chunk_gla, reference_gla, q, k, v, g, h0, cu)
+
+
+@pytest.mark.parametrize("clamp_min", [None, -0.05])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gate_logits_are_the_gate_then_the_op(backend, clamp_min, logits_dtype):
+    """``chunk_gla(gate_logits=)`` on the logits z: the output and gradients of ``chunk_gla`` on
+    ``gla_gate(z)`` (the same bits: the same arithmetic in another kernel), z's gradient in z's dtype,
+    against the float64 oracle; packed, with an initial state; ``recurrent_gla`` and
+    ``reference_gla`` take the logits alike."""
+    from ttr.kernels.gla.gate import gla_gate
+
+    torch.manual_seed(5)
+    q, k, v, _, h0 = make_inputs(1, 150, 2, 16, 32, h0=True, n=2)
+    z = (3 * torch.randn(1, 150, 2, 16)).to(logits_dtype)
+    cu = torch.tensor([0, 70, 150])
+    gate = (16.0, clamp_min)
+    do = torch.randn(1, 150, 2, 32)
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, z, h0)]
+        g = leaves[3] if fused else gla_gate(leaves[3], *gate)
+        o, _ = chunk_gla(*leaves[:3], g, initial_state=leaves[4], cu_seqlens=cu, gate_logits=gate if fused else None)
+        results.append((o, torch.autograd.grad(o, leaves, do)))
+    (o, grads), (o_sep, grads_sep) = results
+    assert torch.equal(o, o_sep) and grads[3].dtype == logits_dtype
+    for a, b in zip(grads, grads_sep):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    leaves = [t.double().requires_grad_() for t in (q, k, v, z, h0)]
+    o64, _ = reference_gla(*leaves[:4], initial_state=leaves[4], cu_seqlens=cu, gate_logits=gate)
+    grads64 = torch.autograd.grad(o64, leaves, do.double())
+    assert rel_rms(o, o64) < TOL
+    for name, a, b in zip("q k v z h0".split(), grads, grads64):
+        assert rel_rms(a, b) < (TOL if logits_dtype == torch.float32 or name != "z" else 5e-3), name
+    o_rec, _ = recurrent_gla(q, k, v, z, initial_state=h0, cu_seqlens=cu, gate_logits=gate)
+    assert rel_rms(o_rec, o64) < TOL
+
+
+def test_gate_logits_errors():
+    q, k, v, g, _ = make_inputs(1, 10, 2, 8, 8)
+    for bad, match in (((0.0, None), "normalizer"), ((16.0, 0.1), "clamp_min"), ((16.0,), "gate_logits"),
+                       ((True, None), "normalizer")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            chunk_gla(q, k, v, g, gate_logits=bad)
+    with pytest.raises(TypeError, match="g has unsupported dtype"):
+        chunk_gla(q, k, v, g.bfloat16())
+    chunk_gla(q, k, v, g.bfloat16(), gate_logits=(16.0, None))

@@ -131,3 +131,35 @@ def test_chunk_equals_decoding(op, dtype):
     tol = tolerances(dtype)[0]
     assert rel_rms(torch.cat(outs, 1), o) < tol
     assert rel_rms(state, ht) < tol
+
+
+@pytest.mark.parametrize("clamp_min", [None, -0.05])
+def test_gate_logits_bf16(clamp_min):
+    """gla-1.3b's layer at B = 2, T = 2048 in bf16, the gate's bf16 logits given to the op
+    (``gate_logits``): against float64 (the gate formed in float64 from the same logits), and
+    against the op on ``gla_gate``'s fp32 gate."""
+    from ttr.kernels.gla.gate import gla_gate, reference_gla_gate
+
+    torch.manual_seed(0)
+    q, k, v, _, h0 = inputs(2, 2048, 16, 64, 128, torch.bfloat16, vector=True, n=2)
+    z = (torch.randn(2, 2048, 16, 64, device="cuda") * 3 + 2).bfloat16()
+    do = torch.randn(2, 2048, 16, 128, device="cuda", dtype=torch.float64)
+    dht = torch.randn(2, 16, 64, 128, device="cuda", dtype=torch.float64)
+    gate = (16.0, clamp_min)
+
+    def oracle(q, k, v, z, *, initial_state, output_final_state, cu_seqlens):
+        g = reference_gla_gate(z, *gate)
+        return chunk_torch(q, k, v, g, None, 64**-0.5, initial_state, output_final_state, cu_seqlens)
+
+    ref = forward_backward(oracle, *(x.double() for x in (q, k, v, z, h0)), None, do, dht)
+    poison()
+    got = forward_backward(lambda *a, **kw: chunk_gla(*a, gate_logits=gate, **kw), q, k, v, z, h0, None, do, dht)
+    sep = forward_backward(lambda q, k, v, z, **kw: chunk_gla(q, k, v, gla_gate(z, *gate), **kw), q, k, v, z, h0,
+                           None, do, dht)
+    assert got[2][3].dtype == torch.bfloat16
+    for name, a, r, s in zip(["o", "final state"], got[:2], ref[:2], sep[:2]):
+        assert rel_rms(a, r) < 1e-2 and rel_rms(a, s) < 1e-5, name
+    for name, a, r, s in zip(["dq", "dk", "dv", "dz", "dh0"], got[2], ref[2], sep[2]):
+        assert torch.isfinite(a).all(), name
+        assert rel_rms(a, r) < (2e-2 if name == "dz" else 1e-2), f"{name} {rel_rms(a, r)}"
+        assert rel_rms(a, s) < 1e-3, f"{name} against the separate gate {rel_rms(a, s)}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ttr.kernels.common.index import CHUNK_SIZE
-from ttr.models import TTRConfig
+from ttr.models import TTRConfig, TTRForCausalLM, get_preset
 from ttr.models.configuration import ATTENTION_TYPES, LINEAR_TYPES
 from ttr.models.layers import LAYER_TYPES, Mixer
 
@@ -144,3 +144,38 @@ def test_narrow_map_that_cannot_share_the_product_stays_apart(monkeypatch):
         outs.append(layer(x).detach())
     assert calls == [0]
     assert ((outs[0] - outs[1]).norm() / outs[1].norm()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gla_layer_gives_its_op_the_gate_logits(backend, monkeypatch):
+    """GLA's layer hands the op its gate's logits (``chunk_gla(gate_logits=)``) unless
+    ``TUNING["gla_gate"]`` says otherwise, or a mask must zero the gate: the same output and
+    gradients as forming the gate first, packed, with a clamp."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.models.layers import gla as gla_layer
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+    calls = []
+    real = gla_layer.chunk_gla
+    monkeypatch.setattr(gla_layer, "chunk_gla", lambda *a, **kw: calls.append(kw.get("gate_logits")) or real(*a, **kw))
+    torch.manual_seed(0)
+    model = TTRForCausalLM(get_preset("gla-debug", vocab_size=64, gla_gate_clamp_min=-0.04))
+    cfg, layer = model.config, model.model.layers[0].mixer
+    x = torch.randn(1, 70, cfg.hidden_size)
+    cu = torch.tensor([0, 30, 70])
+    results = []
+    for fused in (True, False):
+        monkeypatch.setitem(TUNING, "gla_gate", {"fused": fused})
+        xx = x.clone().requires_grad_()
+        layer.zero_grad()
+        y = layer(xx, cu_seqlens=cu)
+        y.square().sum().backward()
+        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+    assert calls == [(cfg.gla_gate_logit_normalizer, -0.04), None]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    mask = torch.ones(1, 70, dtype=torch.bool)
+    mask[0, :3] = False
+    monkeypatch.setitem(TUNING, "gla_gate", {"fused": True})
+    layer(x, mask=mask)
+    assert calls[-1] is None
