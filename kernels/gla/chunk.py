@@ -11,7 +11,9 @@ Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do
 ``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
 the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the
 state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
-to stage in v's dtype.
+to stage in v's dtype. With ``gate_logits`` g holds the gate's logits: the cumsum maps them to the
+log gate as it loads them and ``vector_gate_bwd_dqkg`` maps ``dg`` back to theirs before it stores
+(``cumsum.logit_gate``), so the fp32 gate is never written; the logits are kept in its place.
 The forward keeps ``A``, the cumulative gate (in place of the raw gate, which the backward does
 not need) and the states ``h`` at any length (``GLA_KEEP_STATES_MIN_CHUNKS``); under
 ``TTR_CHUNK_STATES=recompute`` the backward forms ``h`` again, on a second stream beside the
