@@ -225,10 +225,12 @@ def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bo
 # Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_inverse", "wy_fwd", "wy_bwd", "output_fwd",
 # "output_bwd_dv", "output_bwd_dqk", "output_bwd_dqk_walk") -> {"BV": .., "num_warps": .., "num_stages": ..}
 # ("output_bwd_dqk_walk" also {"walk": bool}: ``output.dqk_walks``), "overlap" -> {"enabled": False}
-# to run the passes that ``overlap.beside`` puts on a second stream in turn, and "qkv_columns" ->
+# to run the passes that ``overlap.beside`` puts on a second stream in turn, "qkv_columns" ->
 # {"enabled": False} for the delta rules' q, k and v as three projections and convs
-# (``models.layers.linear``; by default one projection, ``conv.causal_conv1d_columns``). Empty
-# in normal use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in
+# (``models.layers.linear``; by default one projection, ``conv.causal_conv1d_columns``; {"narrow":
+# False} keeps the narrow gate maps out of it), "mlp_columns" -> {"enabled": False} for the MLP's
+# gate and up as two products, and "gla_gate" -> {"fused": False} for GLA's gate formed before its
+# op rather than inside it (``models.layers.gla``). Empty in normal use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in
 # heuristics.
 TUNING: dict[str, dict] = {}
 

@@ -66,12 +66,18 @@ class _GLAGateTriton(torch.autograd.Function):
 
 
 def check_gate_args(normalizer: float, clamp_min: float | None, what: str = "") -> None:
-    """The temperature > 0 and the floor None or < 0; ``what`` prefixes the names in the message."""
-    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
-        raise ValueError(f"{what}normalizer must be a number > 0, got {normalizer!r}")
-    if clamp_min is not None and (isinstance(clamp_min, bool) or not isinstance(clamp_min, (int, float))
-                                  or not clamp_min < 0):
-        raise ValueError(f"{what}clamp_min must be None or a number < 0 (a log gate), got {clamp_min!r}")
+    """The temperature a number > 0 and the floor None or a number < 0; ``what`` prefixes the names
+    in the message."""
+    for name, x, ok, need in (("normalizer", normalizer, lambda x: x > 0, "> 0"),
+                              ("clamp_min", clamp_min, lambda x: x < 0, "< 0 (a log gate) or None")):
+        if name == "clamp_min" and x is None:
+            continue
+        try:
+            good = not isinstance(x, bool) and ok(float(x))
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise ValueError(f"{what}{name} must be a number {need}, got {x!r}")
 
 
 def reference_gla_gate(z: torch.Tensor, normalizer: float = 16.0, clamp_min: float | None = None) -> torch.Tensor:

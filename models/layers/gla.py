@@ -42,16 +42,16 @@ class GatedLinearAttention(LinearMixer):
         decoding = layer_cache is not None and t == 1
         q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
         cfg = self.config
-        gate = (cfg.gla_gate_logit_normalizer, cfg.gla_gate_clamp_min)
+        gate_map = (cfg.gla_gate_logit_normalizer, cfg.gla_gate_clamp_min)
         logits = linear(p["gk_down"], self.gk_up).view(b, t, self.num_heads, self.head_k)
         if mask is None and not decoding and tuned("gla_gate", fused=True)["fused"]:
             # the gate formed from its logits inside the chunk op's kernels: no fp32 gate written and
             # read each way (``chunk_gla(gate_logits=)``). A mask zeroes the gate itself (no decay at
             # padding), so masked inputs form it first.
-            o = self.run_kernel(functools.partial(chunk_gla, gate_logits=gate), recurrent_gla, q, k, v, logits,
+            o = self.run_kernel(functools.partial(chunk_gla, gate_logits=gate_map), recurrent_gla, q, k, v, logits,
                                 layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         else:
-            k, v, gk = mask_tokens(mask, k, v, gla_gate(logits, *gate))
+            k, v, gk = mask_tokens(mask, k, v, gla_gate(logits, *gate_map))
             o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                                 layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
