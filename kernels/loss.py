@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import next_power_of_2
+from ttr.kernels.common.index import cdiv, next_power_of_2
 from ttr.kernels.utils import add_weight_grad, check_dtype, kernel_backend, on_input_device, weight_grad
 
 REDUCTIONS = ("mean", "sum")
@@ -181,7 +181,7 @@ def _scaled(g, factor, dtype, rows: int, backend: str):
     if backend == "triton" and factor.dtype == torch.float32:
         n, block = g.numel(), 4096
         if n:
-            _scale_kernel[(triton.cdiv(n, block),)](g, factor, out, n, BLOCK=block, num_warps=8)
+            _scale_kernel[(cdiv(n, block),)](g, factor, out, n, BLOCK=block, num_warps=8)
         return out
     for i0 in range(0, g.shape[0], rows):
         out[i0 : i0 + rows] = g[i0 : i0 + rows].to(factor.dtype) * factor

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.cumsum import logit_gate, logit_gate_grad
+from ttr.kernels.common.cumsum import logit_gate, logit_gate_args, logit_gate_grad
 from ttr.kernels.common.index import cdiv
 from ttr.kernels.utils import check_dtype, kernel_backend, on_input_device
 
@@ -45,7 +45,7 @@ class _GLAGateTriton(torch.autograd.Function):
         z = z.contiguous()
         g = torch.empty(z.shape, dtype=torch.float32, device=z.device)
         n = z.numel()
-        inv, clamp = 1.0 / normalizer, clamp_min if clamp_min is not None else 0.0
+        inv, clamp = logit_gate_args((normalizer, clamp_min))
         if n:
             _gate_fwd_kernel[(cdiv(n, BLOCK),)](z, g, n, inv, clamp, CLAMP=clamp_min is not None, BLOCK=BLOCK,
                                                        num_warps=8)

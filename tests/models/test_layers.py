@@ -77,6 +77,27 @@ def test_delta_rules_take_beta_in_fp32_under_autocast(name, monkeypatch):
     assert ((dw.double() - want).norm() / want.norm()) < 1e-2
 
 
+def layer_with_watched_convs(name, monkeypatch, change=None):
+    """A delta-rule layer of ``name`` (``change`` applied to it first), its weights drawn (a layer
+    built alone has none initialised: the model initialises them), and the list into which each call
+    of ``causal_conv1d_columns`` puts its ``passthrough``."""
+    from ttr.models.layers import linear as linear_layer
+
+    torch.manual_seed(0)
+    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=[name], num_heads=2)
+    layer = LAYER_TYPES[name](cfg, 0)
+    if change is not None:
+        change(layer)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.1)
+    calls = []
+    real = linear_layer.causal_conv1d_columns
+    monkeypatch.setattr(linear_layer, "causal_conv1d_columns",
+                        lambda *a, **k: calls.append(k["passthrough"]) or real(*a, **k))
+    return layer, calls
+
+
 @pytest.mark.parametrize("name", ["delta_net", "gated_deltanet"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
@@ -86,18 +107,8 @@ def test_qkv_as_one_product_is_the_layer_of_three(name, packed, monkeypatch):
     every gradient are those of the separate projections and convs it replaces, and a mask or a
     cache takes the separate ones."""
     from ttr.kernels.common.index import TUNING
-    from ttr.models.layers import linear as linear_layer
 
-    torch.manual_seed(0)
-    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=[name], num_heads=2)
-    layer = LAYER_TYPES[name](cfg, 0)
-    with torch.no_grad():  # a layer built alone has no initialised weights (the model initialises them)
-        for p in layer.parameters():
-            p.normal_(0.0, 0.1)
-    calls = []
-    real = linear_layer.causal_conv1d_columns
-    monkeypatch.setattr(linear_layer, "causal_conv1d_columns",
-                        lambda *a, **k: calls.append(k["passthrough"]) or real(*a, **k))
+    layer, calls = layer_with_watched_convs(name, monkeypatch)
     x = torch.randn(1 if packed else 2, 40, 64)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32) if packed else None
     results = []
@@ -124,19 +135,9 @@ def test_narrow_map_that_cannot_share_the_product_stays_apart(monkeypatch):
     """A narrow map whose bias differs from q's (``joinable``) is not passed through the convs: q,
     k and v still run as one product, and the layer gives the separate projections' results."""
     from ttr.kernels.common.index import TUNING
-    from ttr.models.layers import linear as linear_layer
 
-    torch.manual_seed(0)
-    cfg = TTRConfig(hidden_size=64, num_hidden_layers=1, layer_types=["delta_net"], num_heads=2)
-    layer = LAYER_TYPES["delta_net"](cfg, 0)
-    layer.b_proj.bias = torch.nn.Parameter(torch.zeros(2))
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.1)
-    calls = []
-    real = linear_layer.causal_conv1d_columns
-    monkeypatch.setattr(linear_layer, "causal_conv1d_columns",
-                        lambda *a, **k: calls.append(k["passthrough"]) or real(*a, **k))
+    layer, calls = layer_with_watched_convs(
+        "delta_net", monkeypatch, change=lambda m: setattr(m.b_proj, "bias", torch.nn.Parameter(torch.zeros(2))))
     x = torch.randn(2, 40, 64)
     outs = []
     for enabled in (True, False):
