@@ -102,15 +102,17 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x, z, w, dy, rstd, ds, dx, dr, dz, dw, y, R, D, s_z,
+    x, z, w, dy, rstd, ds, dx, dr, dz, dw, y, R, D, s_z, s_dz,
     HAS_Z: tl.constexpr, GATE_FIRST: tl.constexpr, HAS_DS: tl.constexpr, HAS_DR: tl.constexpr,
-    HAS_Y: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    HAS_Y: tl.constexpr, DZ_ROWS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):
     """Program (i_p, i_g) handles group i_g of row blocks i_p, i_p + P, ... (P programs on axis 0)
     and writes one dw partial of that group. ``HAS_DS`` adds the gradient ``ds`` that the
     normalised input gets from elsewhere (the residual stream) to dx; ``HAS_DR`` also stores dx in
     ``dr``'s dtype (the gradient of a lower-precision residual branch); ``HAS_Y`` stores the
-    forward's output again (the same products in the same order), for ``norm_linear``."""
+    forward's output again (the same products in the same order), for ``norm_linear``. dz's rows
+    come ``DZ_ROWS`` to a token (a per-head norm's heads), its tokens ``s_dz`` apart: a column block
+    of a caller's gradient buffer (``DZ_ROWS = 1, s_dz = G * D`` where dz is dense)."""
     i_p, n_p = tl.program_id(0), tl.num_programs(0)
     i_g, G = tl.program_id(1), tl.num_programs(1)
     o_d = tl.arange(0, BD)
@@ -131,6 +133,8 @@ def _rms_norm_bwd_kernel(
             b_sig = tl.sigmoid(b_z)
             b_gate = b_z * b_sig
             b_dgate = b_sig * (1.0 + b_z * (1.0 - b_sig))  # silu'(z)
+            o_dz = (o_r // DZ_ROWS).to(tl.int64)[:, None] * s_dz + (o_r % DZ_ROWS)[:, None] * (G * D) + i_g * D + \
+                o_d[None, :]
         if HAS_Z and GATE_FIRST:
             b_uhat = b_x * b_gate * b_rstd[:, None]
         else:
@@ -141,14 +145,14 @@ def _rms_norm_bwd_kernel(
                 b_y = b_y * b_gate
             tl.store(y + o_rd, b_y.to(y.dtype.element_ty), mask=m_rd)
         if HAS_Z and not GATE_FIRST:
-            tl.store(dz + o_rd, (b_dy * b_uhat * b_w[None, :] * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
+            tl.store(dz + o_dz, (b_dy * b_uhat * b_w[None, :] * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
             b_dy = b_dy * b_gate
         b_dw += b_dy * b_uhat
         b_wdy = b_dy * b_w[None, :]
         b_c = tl.sum(b_wdy * b_uhat, axis=1) / D  # [BR]
         b_du = b_rstd[:, None] * (b_wdy - b_uhat * b_c[:, None])
         if HAS_Z and GATE_FIRST:
-            tl.store(dz + o_rd, (b_du * b_x * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
+            tl.store(dz + o_dz, (b_du * b_x * b_dgate).to(dz.dtype.element_ty), mask=m_rd)
             b_du = b_du * b_gate
         if HAS_DS:
             b_du += tl.load(ds + o_rd, mask=m_rd, other=0.0).to(tl.float32)
@@ -182,16 +186,18 @@ def _triton_fwd(x2, z2, w, eps, out_dtype=None, gate_first=False, groups=1, r2=N
     return y, rstd, s2
 
 
-def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None, store_y=False):
+def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None, store_y=False, dz_out=None):
     """dx, dz, dw, dr, y; ``ds2`` is added to dx, ``dr_dtype`` also returns dx in that dtype (dr),
-    ``store_y`` the forward's output again in x's dtype (y; else None)."""
+    ``store_y`` the forward's output again in x's dtype (y; else None), ``dz_out = (dz, rows per
+    token, token stride)`` where dz is written (``_dz_layout``)."""
     rows, groups = rstd.shape
     d = x2.shape[1] // groups
     bd = next_power_of_2(d)
     cfg = _launch("norm_bwd", bd)
     dx = torch.empty_like(x2)
     dr = torch.empty_like(x2, dtype=dr_dtype) if dr_dtype is not None else None
-    dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None else None
+    dz = torch.empty(z2.shape, dtype=z2.dtype, device=z2.device) if z2 is not None and dz_out is None else None
+    dz, dz_rows, s_dz = dz_out if dz_out is not None else (dz, 1, x2.shape[1])
     progs = _bwd_programs(cdiv(rows, cfg["BR"]), x2.device, cfg["SM_PROGS"])
     dw = torch.zeros(progs, groups * d, dtype=torch.float32, device=x2.device)
     y = torch.empty_like(x2) if store_y else None
@@ -199,9 +205,9 @@ def _triton_bwd(x2, z2, w, dy2, rstd, gate_first=False, ds2=None, dr_dtype=None,
         _rms_norm_bwd_kernel[(progs, groups)](
             x2, z2 if z2 is not None else x2, w, dy2, rstd, ds2 if ds2 is not None else dx, dx,
             dr if dr is not None else dx, dz if dz is not None else dx, dw, y if store_y else dx,
-            rows, d, z2.stride(0) if z2 is not None else 0,
+            rows, d, z2.stride(0) if z2 is not None else 0, s_dz,
             HAS_Z=z2 is not None, GATE_FIRST=gate_first, HAS_DS=ds2 is not None, HAS_DR=dr is not None,
-            HAS_Y=store_y, BR=cfg["BR"], BD=bd, num_warps=cfg["num_warps"],
+            HAS_Y=store_y, DZ_ROWS=dz_rows, BR=cfg["BR"], BD=bd, num_warps=cfg["num_warps"],
         )  # fmt: skip
     return dx, dz, dw.sum(0).to(w.dtype), dr, y
 
@@ -274,11 +280,14 @@ class _NormLinearFunction(torch.autograd.Function):
     output, the projection's input, is written again by the norm's backward kernel."""
 
     @staticmethod
-    def forward(ctx, x2, z2, weight, eps, gate_first, groups, proj_weight, proj_bias):
+    def forward(ctx, x2, z, weight, eps, gate_first, groups, proj_weight, proj_bias, dz_into):
+        # z in its own shape, so that its gradient goes back in it (a caller's buffer as well)
+        z2 = _rows(z, x2.shape[1]) if z is not None else None
+        ctx.z_shape = z.shape if z is not None else None
         y, rstd, _ = _triton_fwd(x2, z2, weight, eps, None, gate_first, groups)
         out, pw = cast_linear(y.view(-1, proj_weight.shape[1]), proj_weight, proj_bias)
         ctx.save_for_backward(x2, z2, weight, rstd, pw)
-        ctx.gate_first = gate_first
+        ctx.gate_first, ctx.dz_into = gate_first, dz_into
         ctx.dtypes = proj_weight.dtype, (proj_bias.dtype if proj_bias is not None else None)
         return out
 
@@ -288,11 +297,14 @@ class _NormLinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dout = dout.contiguous()
         dy = (dout @ pw).view(x2.shape)
-        dx, dz, dw, _, y = _triton_bwd(x2, z2, w, dy, rstd, ctx.gate_first, store_y=need[6])
+        dz_out = ctx.dz_into() if ctx.dz_into is not None and need[1] else None
+        dx, dz, dw, _, y = _triton_bwd(x2, z2, w, dy, rstd, ctx.gate_first, store_y=need[6],
+                                       dz_out=dz_out)
         del dy
         dpw = weight_grad(dout, y.view(-1, pw.shape[1]), ctx.dtypes[0]) if need[6] else None
         dpb = bias_grad(dout, ctx.dtypes[1]) if need[7] else None
-        return dx, dz, dw, None, None, None, dpw, dpb
+        dz = dz_out[0] if dz_out is not None else dz.view(ctx.z_shape) if dz is not None else None
+        return dx, dz, dw, None, None, None, dpw, dpb, None
 
 
 def _check(x, z, weight, eps, out_dtype=None, groups=1, norm_before_gate=True) -> None:
@@ -505,8 +517,26 @@ def gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
 
 
 @on_input_device
+def _dz_layout(dz: torch.Tensor, z: torch.Tensor, heads: bool) -> tuple[torch.Tensor, int, int]:
+    """``(dz, rows per token, token stride)`` of a caller's buffer for z's gradient: z's shape and
+    dtype, each token's rows (its heads, with ``heads``) dense, the tokens evenly spaced (a column
+    block of a wider buffer is one)."""
+    if tuple(dz.shape) != tuple(z.shape) or dz.dtype != z.dtype:
+        raise ValueError(f"dz_into must give z's shape {tuple(z.shape)} and dtype {z.dtype}, got "
+                         f"{tuple(dz.shape)} {dz.dtype}")
+    d, per = z.shape[-1], z.shape[-2] if heads else 1
+    try:
+        t = dz.view(-1, per, d)
+    except RuntimeError:
+        t = None
+    if t is None or t.stride(2) != 1 or (per > 1 and t.stride(1) != d):
+        raise ValueError(f"dz_into must give dense rows of {d} channels{' per head' if heads else ''} with evenly "
+                         f"spaced tokens, got strides {dz.stride()}")
+    return dz, per, t.stride(0)
+
+
 def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_before_gate=True, groups=1,
-                heads=False):
+                heads=False, dz_into=None):
     """A layer's output norm and the projection after it in one autograd node: ``F.linear(y,
     proj_weight, proj_bias)`` with ``y = gated_rms_norm(x, z, weight, ...)`` (``rms_norm`` when z is
     None) and, for per-head norms (``heads``), y's last two dims merged.
@@ -526,6 +556,9 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
         proj_bias: ``[O]`` or None, the same.
         eps, norm_before_gate, groups: as in ``gated_rms_norm``.
         heads: x's last two dims are heads and their channels (above).
+        dz_into: with a gate, a callable giving the tensor the backward writes z's gradient into
+            (z's shape and dtype, dense rows with evenly spaced tokens: a column block of a caller's
+            gradient buffer), called once in the backward; None for a new tensor.
 
     Returns:
         ``[..., O]`` (x's dims before D, or before H and D) in x's dtype; gradients flow to x, z,
@@ -543,7 +576,10 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
         y = _torch_norm(x, z, weight, eps, None, norm_before_gate, groups).reshape(*lead, f)
         return cast_linear(y, proj_weight, proj_bias)[0]
     x2 = x.reshape(-1, d).contiguous()
-    z2 = _rows(z, d) if z is not None else None
-    out = _NormLinearFunction.apply(x2, z2, weight.contiguous(), float(eps), z is not None and not norm_before_gate,
-                                    groups, proj_weight, proj_bias)
+    into = None
+    if dz_into is not None and z is not None:
+        def into():
+            return _dz_layout(dz_into(), z, heads)
+    out = _NormLinearFunction.apply(x2, z, weight.contiguous(), float(eps), z is not None and not norm_before_gate,
+                                    groups, proj_weight, proj_bias, into)
     return out.view(*lead, proj_weight.shape[0])

@@ -39,6 +39,48 @@ def _map_groups(params, n: int, joined: int = 0) -> list[list[int]]:
     return first + [narrow] + [[i] for i in rest if i not in narrow]
 
 
+class GradColumns:
+    """The input gradients of several maps of one input (``linears(x, *maps, into=)``) as the column
+    blocks of one ``[..., sum(widths)]`` buffer: the backward of the ops that read the maps' outputs
+    write their gradients straight into their blocks (``block``), and the maps' backward reads the
+    buffer whole, one input-gradient product of K = sum(widths) and one weight-gradient product,
+    where each map's own would read x once more and add into dx once more. A block that no op wrote
+    is copied in (or zeroed, where its map's output got no gradient) before the products.
+
+    ``linears`` lays it out in the forward (``ready`` from then on); the buffer is allocated when
+    the first block is asked for, in the backward, and let go once the maps' backward has read it."""
+
+    def __init__(self):
+        self.ready, self.buffer = False, None
+
+    def _layout(self, x: torch.Tensor, widths: list[int]) -> None:
+        self.lead, self.widths, self.dtype, self.device = x.shape[:-1], widths, x.dtype, x.device
+        self.starts = [sum(widths[:i]) for i in range(len(widths))]
+        self.ready = True
+
+    def block(self, i: int, shape=None) -> torch.Tensor:
+        """Map i's column block, ``[..., widths[i]]`` (or viewed as ``shape``, which splits its last
+        dim)."""
+        if not self.ready:
+            raise RuntimeError("GradColumns.block: the buffer is laid out by linears(..., into=) first")
+        if self.buffer is None:
+            self.buffer = torch.empty(*self.lead, sum(self.widths), dtype=self.dtype, device=self.device)
+        b = self.buffer[..., self.starts[i]:self.starts[i] + self.widths[i]]
+        return b if shape is None else b.view(shape)
+
+    def take(self, grads) -> torch.Tensor:
+        """The whole buffer ``[rows, sum(widths)]`` holding ``grads`` (one per map, each its block,
+        another tensor of the block's shape, or None), which it then lets go of."""
+        for i, g in enumerate(grads):
+            b = self.block(i)
+            if g is None:
+                b.zero_()
+            elif g.data_ptr() != b.data_ptr() or g.stride() != b.stride():
+                b.copy_(g.view(b.shape) if g.shape != b.shape else g)
+        whole, self.buffer = self.buffer, None
+        return whole.view(-1, whole.shape[-1])
+
+
 class _SharedInputLinear(torch.autograd.Function):
     """``F.linear(x, w_i, b_i)`` for one or several maps of one input, the weights cast to the
     input's dtype inside (autocast's cast). The backward accumulates the input's gradient in the
@@ -52,15 +94,24 @@ class _SharedInputLinear(torch.autograd.Function):
     dx without reading it. The first ``joined`` maps run as one product whose output is returned
     whole (the delta rules' q, k and v, whose short convs take it as column blocks and give its
     gradient back as one tensor): one product each way for the three, where three would add into
-    dx one after the other."""
+    dx one after the other. With ``into`` (a ``GradColumns``) every map runs its own product on
+    its rows of one stacked cast weight, and the backward takes the maps' gradients from the
+    buffer's column blocks as one product each way (``GradColumns``)."""
 
     @staticmethod
-    def forward(ctx, x, n, joined, *params):
+    def forward(ctx, x, n, joined, into, *params):
         biases = [b.to(x.dtype) if b is not None else None for b in params[n:]]
-        groups = _map_groups(params, n, joined)
+        groups = _map_groups(params, n, joined) if into is None else [[i] for i in range(n)]
         outs, kept = [None] * n, []
+        stacked = None
+        if into is not None:  # one cast pass into the stack; each map's weight is its rows
+            stacked = torch.empty(sum(p.shape[0] for p in params[:n]), x.shape[-1], dtype=x.dtype, device=x.device)
+            torch.cat(params[:n], out=stacked)
+            into._layout(x, [p.shape[0] for p in params[:n]])
         for group in groups:
-            if len(group) == 1:
+            if stacked is not None:
+                w = stacked[into.starts[group[0]]:into.starts[group[0]] + into.widths[group[0]]]
+            elif len(group) == 1:
                 w = params[group[0]].to(x.dtype)
             else:  # cast as it is stacked: one pass over each weight, no cast copies to stack again
                 w = torch.empty(sum(params[i].shape[0] for i in group), x.shape[-1], dtype=x.dtype, device=x.device)
@@ -75,7 +126,8 @@ class _SharedInputLinear(torch.autograd.Function):
                 for i, yi in zip(group, y.split([params[i].shape[0] for i in group], -1)):
                     outs[i] = yi
             kept.append(w)
-        ctx.save_for_backward(x, *kept)
+        ctx.save_for_backward(x, *kept, *([] if stacked is None else [stacked]))
+        ctx.into = into
         ctx.n, ctx.joined, ctx.groups, ctx.widths = n, joined, groups, [w.shape[0] for w in params[:n]]
         ctx.dtypes = [p.dtype if p is not None else None for p in params]
         ctx.set_materialize_grads(False)
@@ -86,6 +138,11 @@ class _SharedInputLinear(torch.autograd.Function):
         x, *kept = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         need, n, widths, joined = ctx.needs_input_grad, ctx.n, ctx.widths, ctx.joined
+        if ctx.into is not None and ctx.into.buffer is not None:
+            present = [g is not None for g in grads]
+            return _SharedInputLinear._from_columns(ctx, x, x2, kept[-1], ctx.into.take(grads), present)
+        if ctx.into is not None:
+            kept = kept[:-1]
         if joined:  # the joined maps' gradient is one tensor: its column blocks are theirs
             whole = grads[0].reshape(-1, sum(widths[:joined])) if grads[0] is not None else None
             parts = whole.split(widths[:joined], -1) if whole is not None else (None,) * joined
@@ -104,15 +161,30 @@ class _SharedInputLinear(torch.autograd.Function):
                     [g if g is not None else x2.new_zeros(x2.shape[0], widths[i]) for i, g in zip(group, gs)], -1)
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
-            wanted = [need[3 + i] and g is not None for i, g in zip(group, gs)]
+            wanted = [need[4 + i] and g is not None for i, g in zip(group, gs)]
             if any(wanted):
                 dw = weight_grad(g2, x2, ctx.dtypes[group[0]]).split([widths[i] for i in group])
                 for i, dwi, want in zip(group, dw, wanted):
                     dws[i] = dwi if want else None
             for i, g in zip(group, gs):
-                if need[3 + n + i] and g is not None:
+                if need[4 + n + i] and g is not None:
                     dbs[i] = bias_grad(g, ctx.dtypes[n + i])
-        return (dx.view(x.shape) if dx is not None else None), None, None, *dws, *dbs
+        return (dx.view(x.shape) if dx is not None else None), None, None, None, *dws, *dbs
+
+    @staticmethod
+    def _from_columns(ctx, x, x2, stacked, whole, present):
+        """The backward from the maps' gradients as one ``[rows, sum(widths)]`` tensor (``into``);
+        a map whose output got no gradient (``present``) gets none for its weight and bias, as the
+        module called alone would."""
+        need, n, widths = ctx.needs_input_grad, ctx.n, ctx.widths
+        dx = (whole @ stacked).view(x.shape) if need[0] else None
+        wanted = [need[4 + i] and present[i] for i in range(n)]
+        dws = [None] * n
+        if any(wanted):
+            dws = [dw if want else None for dw, want in zip(weight_grad(whole, x2, ctx.dtypes[0]).split(widths), wanted)]
+        blocks = whole.split(widths, -1)
+        dbs = [bias_grad(blocks[i], ctx.dtypes[n + i]) if need[4 + n + i] and present[i] else None for i in range(n)]
+        return dx, None, None, None, *dws, *dbs
 
 
 def plain_modules(modules, types=(nn.Linear,)) -> bool:
@@ -129,11 +201,15 @@ def _fusable(proj: nn.Module, x: torch.Tensor) -> bool:
     return plain_modules([proj]) and torch.is_grad_enabled() and (autocast_dtype(x) or proj.weight.dtype) == x.dtype
 
 
-def linears(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
+def linears(x: torch.Tensor, *modules: nn.Module, into: GradColumns | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in modules)``, with the backward of ``_SharedInputLinear`` when every
     module is a plain ``nn.Linear`` without hooks. Anything else (an adapter or quantised layer
-    put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour."""
-    return _shared_input(x, modules, 0) or tuple(m(x) for m in modules)
+    put in a linear's place, a forward hook) is called as a module, so it keeps its behaviour.
+    ``into``: the maps' input gradients as column blocks of one buffer (``GradColumns``), where
+    the maps can run as one product (``joinable``); ``into.ready`` tells whether it was taken."""
+    if into is not None and not (len(modules) > 1 and joinable(modules)):
+        into = None
+    return _shared_input(x, modules, 0, into) or tuple(m(x) for m in modules)
 
 
 def joinable(maps) -> bool:
@@ -152,7 +228,7 @@ def joined_linears(x: torch.Tensor, joined, *others: nn.Module) -> tuple[torch.T
     return _shared_input(x, [*joined, *others], len(joined))
 
 
-def _shared_input(x, modules, joined: int):
+def _shared_input(x, modules, joined: int, into: GradColumns | None = None):
     """``_SharedInputLinear`` over ``modules`` where ``linears`` may take it, else None."""
     if not plain_modules(modules) or not torch.is_grad_enabled():
         return None
@@ -162,7 +238,7 @@ def _shared_input(x, modules, joined: int):
         x = x.to(dtype)
     elif any(w.dtype != x.dtype for w in weights):
         return None  # the modules, called, raise F.linear's own error for mixed dtypes
-    return _SharedInputLinear.apply(x, len(modules), joined, *weights, *biases)
+    return _SharedInputLinear.apply(x, len(modules), joined, into, *weights, *biases)
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -201,15 +277,16 @@ class GatedRMSNorm(nn.Module):
 
 
 def norm_linear(x, z, weight, proj: nn.Module, *, eps: float, norm_before_gate: bool = True, groups: int = 1,
-                heads: bool = False):
+                heads: bool = False, dz_into=None):
     """``linear(norm(x, z), proj)``: a mixer's output norm (``gated_rms_norm``, ``rms_norm`` when
     z is None) and its output projection, x's last two dims (heads) merged for it with ``heads``.
     One autograd node (``kernels.norm.norm_linear``, which does not keep the norm's output for
     the projection's backward) when ``proj`` is a plain ``nn.Linear`` and the norm's output is in
-    x's dtype as the projection would compute it; otherwise the norm and then ``linear``."""
+    x's dtype as the projection would compute it; otherwise the norm and then ``linear``.
+    ``dz_into``: the fused node's buffer for z's gradient (``kernels.norm.norm_linear``)."""
     if _fusable(proj, x):
         return fused_norm_linear(x, z, weight, proj.weight, proj.bias, eps=eps, norm_before_gate=norm_before_gate,
-                                 groups=groups, heads=heads)
+                                 groups=groups, heads=heads, dz_into=dz_into)
     if z is None:
         y = rms_norm(x, weight, eps=eps, out_dtype=autocast_dtype(x))
     else:
@@ -217,12 +294,13 @@ def norm_linear(x, z, weight, proj: nn.Module, *, eps: float, norm_before_gate: 
     return linear(y.flatten(-2) if heads else y, proj)
 
 
-def output_projection(norm: nn.Module, x: torch.Tensor, z: torch.Tensor | None, proj: nn.Module) -> torch.Tensor:
+def output_projection(norm: nn.Module, x: torch.Tensor, z: torch.Tensor | None, proj: nn.Module,
+                      dz_into=None) -> torch.Tensor:
     """``proj(norm(x[, z]))`` over the merged heads of x ``[..., H, D]``, by ``norm_linear`` when
     ``norm`` is ttr's own ``RMSNorm`` / ``GatedRMSNorm`` without hooks; any other module in its
     place is called."""
     if plain_modules([norm], (RMSNorm, GatedRMSNorm)):
-        return norm_linear(x, z, norm.weight, proj, eps=norm.eps, heads=True)
+        return norm_linear(x, z, norm.weight, proj, eps=norm.eps, heads=True, dz_into=dz_into)
     y = norm(x) if z is None else norm(x, z)
     return linear(y.flatten(-2), proj)
 

@@ -229,9 +229,10 @@ def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bo
 # {"enabled": False} for the delta rules' q, k and v as three projections and convs
 # (``models.layers.linear``; by default one projection, ``conv.causal_conv1d_columns``; {"narrow":
 # False} keeps the narrow gate maps out of it), "mlp_columns" -> {"enabled": False} for the MLP's
-# gate and up as two products, and "gla_gate" -> {"fused": False} for GLA's gate formed before its
-# op rather than inside it (``models.layers.gla``). Empty in normal use; scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in
-# heuristics.
+# gate and up as two products, "gla_gate" -> {"fused": False} for GLA's gate formed before its op
+# rather than inside it, and "gla_columns" -> {"enabled": False} for GLA's projections' gradients
+# each by its own products rather than from one buffer (``models.layers.gla``). Empty in normal use;
+# scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in heuristics.
 TUNING: dict[str, dict] = {}
 
 
@@ -259,6 +260,21 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def token_stride(name: str, t: torch.Tensor, shape) -> int:
+    """The distance between consecutive tokens of ``t``, a ``[B, T, H, D]`` tensor of ``shape`` whose
+    heads and channels are dense (strides ``(H * D, 1)`` over the last two dims) and whose tokens
+    are evenly spaced across the batch (``stride(0) == T * stride(1)``), as a kernel that addresses
+    the tokens of a flattened batch reads it: a column block of a wider ``[B, T, W]`` buffer is one.
+    ``name`` is the argument's in the error."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    b, s, h, d = t.shape
+    if t.stride(3) != 1 or (h > 1 and t.stride(2) != d) or (b > 1 and t.stride(0) != s * t.stride(1)):
+        raise ValueError(f"{name} must have dense heads and channels and evenly spaced tokens, got strides "
+                         f"{t.stride()}")
+    return t.stride(1)
 
 
 def block_size(n: int, cap: int) -> int:

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.cumsum import logit_gate_args, logit_gate_grad
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, tuned
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, token_stride, tuned
 from ttr.kernels.common.tile import chunk_span
 
 SUB_CHUNK = 16
@@ -273,7 +273,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
 
 @triton.jit
 def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, cu_seqlens,
-                                chunk_indices, scale, inv_norm, clamp, H: tl.constexpr, K: tl.constexpr,
+                                chunk_indices, scale, inv_norm, clamp, SDQ, SDK, H: tl.constexpr, K: tl.constexpr,
                                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                 LOGITS: tl.constexpr, CLAMP: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -318,8 +318,10 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
     if LOGITS:  # on to the gate's logits (``cumsum.logit_gate``), in their dtype
         b_dg = logit_gate_grad(tl.load(z + p_tk, mask=m_tk, other=0).to(tl.float32), b_dg, inv_norm, clamp, CLAMP)
-    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + p_tk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    # dq and dk at their own token strides (SDQ, SDK): column blocks of a caller's gradient buffer
+    p_hk = i_h * K + o_k[None, :]
+    tl.store(dq + o_t[:, None].to(tl.int64) * SDQ + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + o_t[:, None].to(tl.int64) * SDK + p_hk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
@@ -399,24 +401,25 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
 
 
 def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: ChunkPlan, *, scale: float,
-                         logits: tuple | None = None):
+                         logits: tuple | None = None, out: tuple | None = None):
     """Full dq, dk (input dtypes) and the gradient of the raw gate dg (fp32); with ``logits = (z,
     normalizer, clamp_min)``, where the raw gate was ``cumsum.logit_gate`` of the logits z, the
-    gradient of z instead (in z's dtype).
+    gradient of z instead (in z's dtype). ``out = (dq, dk)``: where they are written (q's and k's
+    shapes and dtypes, any token stride: ``index.token_stride``), in place of new tensors.
 
     ``v`` is the value the state update used, ``h[c]`` the state before chunk c and ``dh[c]`` the
     gradient of the state after chunk c (``state.state_bwd``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
+    dq, dk = (torch.empty_like(q), torch.empty_like(k)) if out is None else out
+    strides = token_stride("dq", dq, q.shape), token_stride("dk", dk, k.shape)
     z = None if logits is None else logits[0]
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32 if z is None else z.dtype)
     inv_norm, clamp = logit_gate_args(None if logits is None else logits[1:])
     cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices, scale,
-        inv_norm, clamp, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
+        inv_norm, clamp, *strides, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
         CLAMP=logits is not None and logits[2] is not None, **cfg)
     return dq, dk, dg

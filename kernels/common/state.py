@@ -54,7 +54,15 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, sm_count, tuned
+from ttr.kernels.common.index import (
+    ChunkPlan,
+    block_size,
+    cdiv,
+    next_power_of_2,
+    sm_count,
+    token_stride,
+    tuned,
+)
 from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
@@ -173,7 +181,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, scale, cu_se
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale,
+def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale, SDV,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
@@ -252,7 +260,7 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, c
             elif not USE_GK:
                 b_kdh = tl.where(m_t[:, None], b_kdh, 0.)
             b_dv += b_kdh
-            _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+            _store_half(dv2 + bos * SDV + i_h * V, b_dv, i_c * BT, i_v * BV, T, V, SDV, 1, BT, BV)
         if USE_G:
             b_dh *= fast_exp(b_gl)
             if SPLIT:
@@ -361,11 +369,12 @@ def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.cons
 
 
 @triton.jit
-def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, SDV, H: tl.constexpr, HK: tl.constexpr,
                     K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     USE_GK: tl.constexpr):
-    """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known)."""
+    """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known); ``SDV`` is
+    dv2's token stride."""
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
@@ -377,7 +386,7 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, H: tl.cons
         b_dh = _load_half(p_dh, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)  # [BK, BV]
         # the decayed k^T tile is loaded transposed (as in the sequential backward), so k = trans(load)
         b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
-    _store_half(dv2 + (bos * H + i_h) * V, b_dv, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+    _store_half(dv2 + bos * SDV + i_h * V, b_dv, i_c * BT, i_v * BV, T, V, SDV, 1, BT, BV)
 
 
 def _walk(w, gk) -> str:
@@ -590,14 +599,16 @@ def _scan(d: torch.Tensor, plan: ChunkPlan, *, g, gk, start, need_end: bool, dty
     return h, end
 
 
-def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *, g, gk) -> torch.Tensor:
+def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *, g, gk,
+                    out: torch.Tensor | None) -> torch.Tensor:
     B, T, HK, K = k.shape
     H, V = dv.shape[2:]
     # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
     cfg = tuned("state_bwd_dv", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4, num_stages=2)
-    dv2 = torch.empty_like(dv)
+    dv2 = torch.empty_like(dv) if out is None else out
     state_dv_kernel[(cdiv(V, cfg["BV"]), plan.num_chunks, H)](
-        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
+        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, token_stride("dv_out", dv2, dv.shape),
+        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
         USE_G=g is not None, USE_GK=gk is not None, **cfg)
     return dv2
 
@@ -659,7 +670,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
 def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor | None, plan: ChunkPlan, *,
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
               gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False,
-              intra_dv: bool = False, scores: torch.Tensor | None = None):
+              intra_dv: bool = False, scores: torch.Tensor | None = None, dv_out: torch.Tensor | None = None):
     """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
     dtype; None when ``dv`` is None, for a caller that forms the state's share of dv itself, which
     the delta rule, whose ``dh`` reads ``dv2``, cannot). With ``intra_dv`` (``dv`` None, a scalar
@@ -668,7 +679,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     one round trip of a ``v``-sized tensor less (at K <= 128; beyond, and before the two-level
     pass, it is that launch). ``scores`` (with ``intra_dv``): the chunks' kept ``q k^T ⊙ causal ⊙ Γ``
     (``wy.wy_fwd(..., q=q)``), from which the walk forms that dv instead of from q and k. Without
-    ``w`` and with long sequences the two-level pass (``_two_level``)."""
+    ``w`` and with long sequences the two-level pass (``_two_level``). ``dv_out``: where dv2 is
+    written (do's shape and dv's dtype, any token stride: ``index.token_stride``), in place of a new
+    tensor; the caller's gradient buffer."""
+    if dv_out is not None and dv is None and not intra_dv:
+        raise ValueError("state_bwd: dv_out is dv2's buffer, and without dv (or intra_dv) there is no dv2")
     if scores is not None and not intra_dv:
         raise ValueError("state_bwd: scores are read by the walk that forms the intra-chunk dv (intra_dv=True)")
     if intra_dv:
@@ -686,17 +701,18 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
         dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
                         stage="state_bwd_scan")
         del dD  # fp32 [NT, H, K, V]: free before dv2 is allocated
-        return dh, dh0, None if dv is None else _dv_with_states(k, dh, dv, plan, g=g, gk=gk)
+        return dh, dh0, None if dv is None else _dv_with_states(k, dh, dv, plan, g=g, gk=gk, out=dv_out)
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
     BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk), g is not None)
     dh = k.new_empty(plan.num_chunks, H, K, V)
-    dv2 = torch.empty_like(do) if intra_dv else None if dv is None else torch.empty_like(dv)
+    dv2 = dv_out if dv_out is not None else torch.empty_like(do) if intra_dv else None if dv is None else (
+        torch.empty_like(dv))
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
-        scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
+        scale, H * V if dv2 is None else token_stride("dv_out", dv2, do.shape), H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
         USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, **cfg)
     return dh, dh0, dv2

@@ -11,9 +11,11 @@ Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do
 ``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
 the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the
 state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
-to stage in v's dtype. With ``gate_logits`` g holds the gate's logits: the cumsum maps them to the
-log gate as it loads them and ``vector_gate_bwd_dqkg`` maps ``dg`` back to theirs before it stores
-(``cumsum.logit_gate``), so the fp32 gate is never written; the logits are kept in its place.
+to stage in v's dtype; with ``grads_into`` dq, dk and dv are written into a caller's buffers (the
+column blocks of its projections' gradient). With ``gate_logits`` g holds the gate's logits: the
+cumsum maps them to the log gate as it loads them and ``vector_gate_bwd_dqkg`` maps ``dg`` back to
+theirs before it stores (``cumsum.logit_gate``), so the fp32 gate is never written; the logits are
+kept in its place.
 The forward keeps ``A``, the cumulative gate (in place of the raw gate, which the backward does
 not need) and the states ``h`` at any length (``GLA_KEEP_STATES_MIN_CHUNKS``); under
 ``TTR_CHUNK_STATES=recompute`` the backward forms ``h`` again, on a second stream beside the
@@ -47,7 +49,7 @@ GLA_KEEP_STATES_MIN_CHUNKS = 0
 
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits):
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits, grads_into):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
@@ -61,7 +63,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         kept = (h,) if keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS) else ()
         # with gate_logits the logits (the size of k, in their dtype) for the gate's derivative
         ctx.save_for_backward(q, k, v, gk, A, initial_state, None if gate_logits is None else g, *kept)
-        ctx.plan, ctx.scale, ctx.gate_logits = plan, scale, gate_logits
+        ctx.plan, ctx.scale, ctx.gate_logits, ctx.grads_into = plan, scale, gate_logits, grads_into
         return o, final
 
     @staticmethod
@@ -73,13 +75,16 @@ class ChunkGLAFunction(torch.autograd.Function):
         states = kept_or_beside(kept[0] if kept else None,
                                 lambda: state_fwd(k, v, plan, gk=gk, initial_state=initial_state)[0], q.device)
         dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
+        # the caller's buffers for dq, dk and dv (the column blocks of its projections' gradient)
+        into = ctx.grads_into() if ctx.grads_into is not None else (None, None, None)
         dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
                                 dht=None if dht is None else dht.contiguous(),
-                                need_dh0=initial_state is not None)
+                                need_dh0=initial_state is not None, dv_out=into[2])
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
         dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale,
-                                          logits=None if z is None else (z, *ctx.gate_logits))
-        return dq, dk, dv, dg, dh0, None, None, None, None
+                                          logits=None if z is None else (z, *ctx.gate_logits),
+                                          out=None if into[0] is None else into[:2])
+        return dq, dk, dv, dg, dh0, None, None, None, None, None
 
 
 @on_input_device
@@ -94,6 +99,7 @@ def chunk_gla(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     gate_logits: tuple[float, float | None] | None = None,
+    grads_into=None,
 ):
     """Gated linear attention, chunkwise (training and prefill).
 
@@ -110,11 +116,17 @@ def chunk_gla(
             dtype) and the gate is ``gla_gate(z, normalizer, clamp_min)``, formed inside the op's
             kernels (the chunks' cumulative sum forward, the dq/dk stage backward): the values of
             ``chunk_gla(q, k, v, gla_gate(z, ...))`` without the fp32 gate written and read each way.
+        grads_into: a callable giving the tensors ``(dq, dk, dv)`` that the backward writes q's, k's
+            and v's gradients into (their shapes and dtypes, dense heads with evenly spaced tokens:
+            ``index.token_stride``; the column blocks of a caller's gradient buffer), called once
+            in the backward; None for new tensors. The torch path makes its own.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state or None)``. Gradients flow to q, k, v, g (in
         g's dtype) and initial_state.
     """
+    if grads_into is not None and not callable(grads_into):
+        raise TypeError(f"grads_into must be a callable giving (dq, dk, dv) or None, got {type(grads_into).__name__}")
     _, scale = check_gla_inputs(
         q, k, v, g, vector_gate=True, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         gate_logits=gate_logits,
@@ -125,4 +137,5 @@ def chunk_gla(
                            cu_seqlens)
     if gate_logits is not None:
         gate_logits = (float(gate_logits[0]), None if gate_logits[1] is None else float(gate_logits[1]))
-    return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits)
+    return ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits,
+                                  grads_into)

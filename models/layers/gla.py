@@ -21,7 +21,7 @@ from ttr.kernels.common.index import tuned
 from ttr.kernels.gla import chunk_gla, recurrent_gla
 from ttr.kernels.gla.gate import gla_gate
 
-from ..modules import GatedRMSNorm, linear, mask_tokens
+from ..modules import GatedRMSNorm, GradColumns, linear, mask_tokens
 from .linear import LinearMixer
 
 
@@ -40,19 +40,30 @@ class GatedLinearAttention(LinearMixer):
         b, t, _ = x.shape
         layer_cache = cache[self.layer_idx] if cache is not None else None
         decoding = layer_cache is not None and t == 1
-        q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding)
+        fused = mask is None and not decoding and tuned("gla_gate", fused=True)["fused"]
+        # the five projections' input gradients as the column blocks of one buffer, which the chunk op
+        # (dq, dk, dv) and the output norm (the gate's) write into: one input-gradient product and one
+        # weight-gradient product for all five (``GradColumns``). Where the chunk op reads q, k and v
+        # as given (the gate formed inside it, no mask, not decoding); ``TUNING["gla_columns"] =
+        # {"enabled": False}`` takes a product each (for measurement).
+        grads = GradColumns() if fused and tuned("gla_columns", enabled=True)["enabled"] else None
+        q, k, v, p = self.project_qkv(x, mask=mask, cu_seqlens=cu_seqlens, layer_cache=layer_cache, decoding=decoding,
+                                      into=grads)
+        grads = grads if grads is not None and grads.ready else None
         cfg = self.config
         gate_map = (cfg.gla_gate_logit_normalizer, cfg.gla_gate_clamp_min)
         logits = linear(p["gk_down"], self.gk_up).view(b, t, self.num_heads, self.head_k)
-        if mask is None and not decoding and tuned("gla_gate", fused=True)["fused"]:
+        gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
+        if fused:
             # the gate formed from its logits inside the chunk op's kernels: no fp32 gate written and
             # read each way (``chunk_gla(gate_logits=)``). A mask zeroes the gate itself (no decay at
             # padding), so masked inputs form it first.
-            o = self.run_kernel(functools.partial(chunk_gla, gate_logits=gate_map), recurrent_gla, q, k, v, logits,
-                                layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
+            into = None if grads is None else lambda: tuple(grads.block(i, y.shape) for i, y in enumerate((q, k, v)))
+            o = self.run_kernel(functools.partial(chunk_gla, gate_logits=gate_map, grads_into=into), recurrent_gla,
+                                q, k, v, logits, layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         else:
             k, v, gk = mask_tokens(mask, k, v, gla_gate(logits, *gate_map))
             o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                                 layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
-        gate = p["g_proj"].view(b, t, self.num_heads, self.head_v)
-        return self.output(o, gate)
+        dz_into = None if grads is None else lambda: grads.block(self.input_projections.index("g_proj"), gate.shape)
+        return self.output(o, gate, dz_into=dz_into)

@@ -73,10 +73,11 @@ class LinearMixer(Mixer):
         self.o_proj = nn.Linear(h * self.head_v, d, bias=False)
         self.o_proj._residual_out = True
 
-    def project_qkv(self, x, *, mask, cu_seqlens, layer_cache, decoding):
+    def project_qkv(self, x, *, mask, cu_seqlens, layer_cache, decoding, into=None):
         """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``, after the short convs when enabled (q and k
         L2-normalised per head with ``qk_l2_norm``), and the other ``input_projections`` of x by
-        name."""
+        name. ``into``: a ``GradColumns`` for the projections' input gradients, in the order of
+        ``input_projections`` (without short convs; ``into.ready`` tells whether it was taken)."""
         b, t, _ = x.shape
         names = self.input_projections
         maps = [getattr(self, n) for n in names]
@@ -100,7 +101,7 @@ class LinearMixer(Mixer):
             if narrow:
                 out.update(zip([names[i] for i in narrow], passed[0].split(widths, -1)))
         else:
-            out = dict(zip(names, linears(x, *maps)))
+            out = dict(zip(names, linears(x, *maps, into=into if self.convs is None else None)))
             q, k, v = out.pop("q_proj"), out.pop("k_proj"), out.pop("v_proj")
         if self.convs is not None and joined is None:
             q, k, v = run_short_convs(
@@ -142,6 +143,7 @@ class LinearMixer(Mixer):
             layer_cache["recurrent"] = state
         return o
 
-    def output(self, o, gate=None):
-        """``o_proj(o_norm(o[, gate]))`` over the merged heads of o ``[B, T, H, V]``."""
-        return output_projection(self.o_norm, o, gate, self.o_proj)
+    def output(self, o, gate=None, dz_into=None):
+        """``o_proj(o_norm(o[, gate]))`` over the merged heads of o ``[B, T, H, V]``; ``dz_into`` as
+        in ``norm_linear``."""
+        return output_projection(self.o_norm, o, gate, self.o_proj, dz_into=dz_into)

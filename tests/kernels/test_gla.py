@@ -316,3 +316,42 @@ def test_gate_logits_errors():
     with pytest.raises(TypeError, match="g has unsupported dtype"):
         chunk_gla(q, k, v, g.bfloat16())
     chunk_gla(q, k, v, g.bfloat16(), gate_logits=(16.0, None))
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_grads_into_a_callers_buffer(triton_backend, monkeypatch, two_level, packed):
+    """``grads_into``: dq, dk and dv are written into the column blocks of one wider buffer (a
+    layer's projections' gradient, ``models.modules.GradColumns``), by the sequential walk and by
+    the two-level pass: the same bits as new tensors, the buffer's other columns untouched."""
+    from ttr.kernels.common import state
+
+    monkeypatch.setattr(state, "_two_level", lambda *a, **kw: two_level)
+    torch.manual_seed(6)
+    b, t = (1, 150) if packed else (2, 75)
+    cu = torch.tensor([0, 70, 150]) if packed else None
+    q, k, v, g, _ = make_inputs(b, t, 2, 16, 32)
+    do = torch.randn(b, t, 2, 32)
+    buf = torch.full((b, t, 3 + 2 * 16 + 2 * 16 + 2 * 32 + 5), 7.0)
+    blocks = [x.view(b, t, 2, -1) for x in buf[..., 3:-5].split([32, 32, 64], -1)]
+    results = []
+    for into in (None, lambda: tuple(blocks)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+        o, _ = chunk_gla(*leaves, cu_seqlens=cu, grads_into=into)
+        results.append(torch.autograd.grad(o, leaves, do))
+    for name, a, r in zip("q k v g".split(), *results):
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+    for a, blk in zip(results[1], blocks):
+        assert a.data_ptr() == blk.data_ptr()
+    assert (buf[..., :3] == 7).all() and (buf[..., -5:] == 7).all()
+
+
+def test_grads_into_errors(triton_backend):
+    q, k, v, g, _ = make_inputs(1, 10, 2, 8, 8)
+    with pytest.raises(TypeError, match="grads_into"):
+        chunk_gla(q, k, v, g, grads_into=(q, k, v))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    spread = torch.empty(1, 10, 8, 2).transpose(2, 3)  # heads not dense
+    o, _ = chunk_gla(*leaves, grads_into=lambda: (spread, torch.empty_like(k), torch.empty_like(v)))
+    with pytest.raises(ValueError, match="dq"):
+        o.sum().backward()

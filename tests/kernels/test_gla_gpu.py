@@ -163,3 +163,27 @@ def test_gate_logits_bf16(clamp_min):
         assert torch.isfinite(a).all(), name
         assert rel_rms(a, r) < (2e-2 if name == "dz" else 1e-2), f"{name} {rel_rms(a, r)}"
         assert rel_rms(a, s) < 1e-3, f"{name} against the separate gate {rel_rms(a, s)}"
+
+
+@pytest.mark.parametrize("b,t", [(2, 2048), (1, 16384)])
+def test_grads_into_bf16(b, t):
+    """gla-1.3b's heads in bf16, the gate's logits given: dq, dk and dv written into column blocks
+    of one wider buffer (``grads_into``, as GLA's layer gives its projections' gradient buffer) are
+    the bits of new tensors, the buffer's other columns untouched; at 1 x 16384 the state backward
+    takes the two-level pass."""
+    torch.manual_seed(0)
+    q, k, v, _, _ = inputs(b, t, 16, 64, 128, torch.bfloat16, vector=True, n=b)
+    z = (torch.randn(b, t, 16, 64, device="cuda") * 3 + 2).bfloat16()
+    do = torch.randn(b, t, 16, 128, device="cuda", dtype=torch.bfloat16)
+    buf = torch.full((b, t, 8 + 1024 + 1024 + 2048 + 2064), 3.0, device="cuda", dtype=torch.bfloat16)
+    blocks = tuple(x.view(b, t, 16, -1) for x in buf[..., 8:8 + 4096].split([1024, 1024, 2048], -1))
+    results = []
+    for into in (None, lambda: blocks):
+        poison()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, z)]
+        o, _ = chunk_gla(*leaves, gate_logits=(16.0, None), grads_into=into)
+        results.append(torch.autograd.grad(o, leaves, do))
+    for name, a, r in zip("q k v z".split(), *results):
+        assert torch.equal(a, r), name
+    assert all(a.data_ptr() == blk.data_ptr() for a, blk in zip(results[1], blocks))
+    assert (buf[..., :8] == 3).all() and (buf[..., 8 + 4096:] == 3).all()

@@ -405,3 +405,43 @@ def test_norm_linear_gpu(monkeypatch, layer):
     w = 1 + 0.1 * torch.randn(x.shape[-1], device="cuda")
     pw = torch.randn(2048, 2048 if layer == "gated_deltanet" else 4096, device="cuda") / 64
     check_norm_linear((x, z, w, pw, None), 1e-2, **kw)
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+@pytest.mark.parametrize("heads", [False, True])
+def test_norm_linear_writes_z_gradient_into_a_given_buffer(backend, gate_first, heads):
+    """``dz_into``: z's gradient lands in a column block of a caller's wider buffer, as the layer's
+    projections' gradients share one (``models.modules.GradColumns``); the same values as a new
+    tensor, the other columns untouched. The torch path makes its own tensor."""
+    shape = (2, 7, 3, 32) if heads else (2, 7, 96)
+    x, z = torch.randn(*shape, device=DEVICE), 2 * torch.randn(*shape, device=DEVICE)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEVICE)
+    pw = torch.randn(40, 96, device=DEVICE) / 10
+    kw = dict(norm_before_gate=not gate_first, groups=2 if gate_first and not heads else 1, heads=heads)
+    dy = torch.randn(2, 7, 40, device=DEVICE)
+    zz = z.clone().requires_grad_()
+    norm_linear(x, zz, w, pw, **kw).backward(dy)
+    buf = torch.full((2, 7, 96 + 24), 7.0, device=DEVICE)
+    block = buf[..., 16:16 + 96].view(shape)
+    calls = []
+    zz2 = z.clone().requires_grad_()
+    out = norm_linear(x, zz2, w, pw, dz_into=lambda: calls.append(1) or block, **kw)
+    (dz,) = torch.autograd.grad(out, zz2, dy)
+    torch.testing.assert_close(dz, zz.grad, rtol=1e-6, atol=1e-6)
+    if backend == "triton":
+        assert calls == [1] and dz.data_ptr() == block.data_ptr()
+        torch.testing.assert_close(block, zz.grad, rtol=1e-6, atol=1e-6)
+        assert (buf[..., :16] == 7).all() and (buf[..., 16 + 96:] == 7).all()
+
+
+def test_norm_linear_rejects_a_bad_z_gradient_buffer(backend):
+    x, z = torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16, requires_grad=True)
+    w, pw = torch.ones(16), torch.randn(8, 48)
+    # z's gradient in another shape, and its heads' channels not dense
+    for make in (lambda: torch.empty(2, 5, 48), lambda: torch.empty(2, 5, 16, 3).transpose(2, 3)):
+        out = norm_linear(x, z, w, pw, heads=True, dz_into=make)
+        if backend == "triton":
+            with pytest.raises(ValueError, match="dz_into"):
+                out.sum().backward()
+        else:
+            out.sum().backward()  # the torch path makes its own tensor

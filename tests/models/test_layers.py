@@ -156,6 +156,8 @@ def test_gla_layer_gives_its_op_the_gate_logits(backend, monkeypatch):
     from ttr.models.layers import gla as gla_layer
 
     monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+    # the projections' gradients as one buffer sum their products in another order (the next test)
+    monkeypatch.setitem(TUNING, "gla_columns", {"enabled": False})
     calls = []
     real = gla_layer.chunk_gla
     monkeypatch.setattr(gla_layer, "chunk_gla", lambda *a, **kw: calls.append(kw.get("gate_logits")) or real(*a, **kw))
@@ -180,3 +182,45 @@ def test_gla_layer_gives_its_op_the_gate_logits(backend, monkeypatch):
     monkeypatch.setitem(TUNING, "gla_gate", {"fused": True})
     layer(x, mask=mask)
     assert calls[-1] is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gla_layer_writes_its_projections_gradients_into_one_buffer(backend, monkeypatch):
+    """GLA's five input projections take their input gradients from one buffer (``GradColumns``)
+    that the chunk op (dq, dk, dv) and the output norm (the gate's) write into on the Triton path,
+    ``gk_down``'s block copied in: the output and every gradient as with a product per projection
+    (``TUNING["gla_columns"]``), packed; the torch path writes nothing into it and takes the products
+    one by one."""
+    from ttr.kernels.common.index import TUNING
+    from ttr.models import modules
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
+    written = []
+    real_take = modules.GradColumns.take
+
+    def take(self, grads):
+        written.append([g is not None and g.data_ptr() == self.block(i).data_ptr() for i, g in enumerate(grads)])
+        return real_take(self, grads)
+
+    monkeypatch.setattr(modules.GradColumns, "take", take)
+    torch.manual_seed(0)
+    model = TTRForCausalLM(get_preset("gla-debug", vocab_size=64))
+    layer = model.model.layers[0].mixer
+    for p in layer.parameters():  # every gradient away from zero (the gate's up-projection starts at zero)
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    x = torch.randn(1, 70, model.config.hidden_size)
+    cu = torch.tensor([0, 30, 70])
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setitem(TUNING, "gla_columns", {"enabled": enabled})
+        xx = x.clone().requires_grad_()
+        layer.zero_grad()
+        y = layer(xx, cu_seqlens=cu)
+        y.square().sum().backward()
+        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+    names = ["y", "x"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, *results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    order = list(layer.input_projections)
+    assert order == ["q_proj", "k_proj", "v_proj", "gk_down", "g_proj"]
+    assert written == ([[True, True, True, False, True]] if backend == "triton" else [])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ttr.models.modules import NARROW_MAP, SwiGLU, linear, linears
+from ttr.models.modules import NARROW_MAP, GradColumns, SwiGLU, linear, linears
 
 
 def _maps(bias):
@@ -259,3 +259,65 @@ def test_joined_linears_decline_what_linears_calls():
     hooked.register_forward_hook(lambda *args: None)
     assert joined_linears(x, [a, hooked]) is None
     assert joined_linears(x, [a, b])[0].shape == (2, 3, 8)
+
+
+class _WritesInto(torch.autograd.Function):
+    """A consumer of a map's output whose backward writes its gradient (``2 * dy``) into a block
+    the caller gives, as the chunk op and the output norm do for GLA's projections."""
+
+    @staticmethod
+    def forward(ctx, y, block):
+        ctx.block = block
+        return 2 * y
+
+    @staticmethod
+    def backward(ctx, dy):
+        out = ctx.block()
+        out.copy_(2 * dy)
+        return out, None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", ["all_written", "one_unused", "one_copied"])
+def test_grad_columns_give_the_separate_projections_gradients(bias, case):
+    """``linears(..., into=GradColumns())``: the maps' input gradients as column blocks of one
+    buffer, written by the consumers' backward or copied (zeroed where an output got none) into
+    it, one product each way: outputs and every gradient as the modules called one by one; the
+    buffer let go after the backward."""
+    torch.manual_seed(1)
+    mods = [nn.Linear(24, n, bias=bias) for n in (16, 8, NARROW_MAP + 16, 3)]
+    x = torch.randn(2, 5, 24)
+
+    def consume(outs, grads):
+        ys = []
+        for i, y in enumerate(outs):
+            if case == "one_unused" and i == 1:
+                continue
+            written = grads is not None and not (case == "one_copied" and i == 2)
+            ys.append(_WritesInto.apply(y, lambda i=i: grads.block(i)) if written else 2 * y)
+        return sum((y * (j + 1)).sin().sum() for j, y in enumerate(ys))
+
+    results = []
+    for into in (None, GradColumns()):
+        xx = x.clone().requires_grad_()
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        outs = linears(xx, *mods, into=into)
+        assert into is None or into.ready
+        consume(outs, into).backward()
+        results.append([xx.grad] + [p.grad for m in mods for p in m.parameters()])
+        assert into is None or into.buffer is None
+    for a, b in zip(*results):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_columns_not_taken_where_linears_calls_the_modules():
+    mods = [nn.Linear(8, 4), nn.Linear(8, 4, bias=False)]  # a bias on one map only: not one product
+    into = GradColumns()
+    linears(torch.randn(3, 8), *mods, into=into)
+    assert not into.ready
+    with pytest.raises(RuntimeError, match="linears"):
+        into.block(0)

@@ -186,3 +186,29 @@ def test_training_step_never_waits_for_the_gpu(packed):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
+
+
+def test_gla_projection_gradients_in_one_buffer_bf16(monkeypatch):
+    """gla-1.3b's layer (hidden 2048, 16 heads, K = 64, V = 128) under bf16 autocast at B = 2, T =
+    2048: its five projections' gradients through one buffer that the chunk op and the output norm
+    write into (``GradColumns``) against a product per projection (``TUNING["gla_columns"]``)."""
+    from ttr.kernels.common.index import TUNING
+
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    torch.manual_seed(0)
+    layer = TTRForCausalLM(get_preset("gla-1.3b", num_hidden_layers=1)).model.layers[0].mixer.cuda()
+    with torch.no_grad():
+        layer.gk_up.weight.normal_(0.0, 0.05)  # a gate gradient through gk_down (zero at init)
+    x = torch.randn(2, 2048, 2048, device="cuda")
+    dy = torch.randn(2, 2048, 2048, device="cuda")
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setitem(TUNING, "gla_columns", {"enabled": enabled})
+        xx = x.clone().requires_grad_()
+        layer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xx)
+        y.float().backward(dy)
+        results.append({"y": y.float(), "x": xx.grad} | {n: p.grad.float() for n, p in layer.named_parameters()})
+    bad = {n: f"{rel_err(a, results[1][n]):.1e}" for n, a in results[0].items() if not rel_err(a, results[1][n]) < 1e-2}
+    assert not bad, bad
