@@ -194,8 +194,11 @@ def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, scale,
 @triton.jit
 def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
                                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                                 SAFE_SPAN: tl.constexpr):
-    """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head."""
+                                 SAFE_SPAN: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head. ``BLOCKS``:
+    the off-diagonal terms one ``[BC, BK]`` sub-chunk at a time, each read for the one product it
+    enters (dq's for earlier sub-chunks, dk's for later ones), instead of as one ``[BT, BK]`` tile
+    of the chunk masked into both."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     t0 = bos + i_c * BT
@@ -213,9 +216,10 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
     # the blocks of dA this program needs, for all K blocks: its rows left of the diagonal
     # sub-block, its columns below it, and the diagonal sub-block (lower triangle incl. diagonal)
     p_dA = dA + (o_i[:, None] * H + i_h) * BT
-    b_dAr = tl.load(p_dA + o_s[None, :], mask=m_i[:, None] & m_b[None, :], other=0)  # [BC, BT]
-    b_dAc = tl.load(dA + (o_t[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_a[:, None],
-                    other=0)  # [BT, BC]
+    if not BLOCKS:
+        b_dAr = tl.load(p_dA + o_s[None, :], mask=m_i[:, None] & m_b[None, :], other=0)  # [BC, BT]
+        b_dAc = tl.load(dA + (o_t[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_a[:, None],
+                        other=0)  # [BT, BC]
     b_dAd = tl.load(p_dA + i_i * BC + o_c[None, :], mask=m_i[:, None] & (o_c[:, None] >= o_c[None, :]),
                     other=0)  # [BC, BC]
     for i_k in range(tl.cdiv(K, BK)):
@@ -226,17 +230,39 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
         b_gn = tl.load(gk + (s_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference of dq
         b_gl = tl.load(gk + (l_i * H + i_h) * K + o_k, mask=m_k, other=0)  # [BK] reference of dk
         b_g = tl.where(m_i[:, None], tl.load(gk + p_ik, mask=m_ik, other=0), b_gl[None, :])  # padded: G_l
-        # off-diagonal: dq from the earlier rows through G_s, dk from the later rows through G_l;
-        # one exponent tile serves both (every exponent <= 0)
-        m_bk = m_b[:, None] & m_k[None, :]
-        m_ak = m_a[:, None] & m_k[None, :]
-        p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-        b_gt = tl.load(gk + p_tk, mask=m_bk | m_ak, other=0)  # [BT, BK]
-        b_et = fast_exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
-        b_kt = tl.load(k + p_tk, mask=m_bk, other=0).to(tl.float32)
-        b_qt = tl.load(q + p_tk, mask=m_ak, other=0).to(tl.float32)
-        b_dq = tl.dot(b_dAr, b_kt * b_et)  # [BC, BK]
-        b_dk = tl.dot(tl.trans(b_dAc), b_qt * b_et)
+        # off-diagonal: dq from the earlier rows through G_s, dk from the later rows through G_l
+        # (every exponent <= 0)
+        if BLOCKS:
+            b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+            b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+            for i_j in range(0, i_i):  # earlier sub-chunks: every row valid
+                p_jk = ((t0 + i_j * BC + o_c)[:, None] * H + i_h) * K + o_k[None, :]
+                m_jk = m_k[None, :] & (o_c[:, None] < BC)
+                b_e = fast_exp(b_gn[None, :] - tl.load(gk + p_jk, mask=m_jk, other=0))
+                b_kj = tl.load(k + p_jk, mask=m_jk, other=0).to(tl.float32)
+                b_dAj = tl.load(p_dA + i_j * BC + o_c[None, :], mask=m_i[:, None], other=0)  # [BC, BC]
+                b_dq += tl.dot(b_dAj, b_kj * b_e)
+            for i_j in range(i_i + 1, tl.cdiv(tl.minimum(eos - t0, BT), BC)):  # later ones, to the last valid
+                o_j = t0 + i_j * BC + o_c
+                m_j = o_j < eos
+                p_jk = (o_j[:, None] * H + i_h) * K + o_k[None, :]
+                m_jk = m_j[:, None] & m_k[None, :]
+                b_e = fast_exp(tl.where(m_jk, tl.load(gk + p_jk, mask=m_jk, other=0) - b_gl[None, :], 0))
+                b_qj = tl.load(q + p_jk, mask=m_jk, other=0).to(tl.float32)
+                b_dAj = tl.load(dA + (o_j[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_j[:, None],
+                                other=0)  # [BC, BC]: rows j, columns of this sub-chunk
+                b_dk += tl.dot(tl.trans(b_dAj), b_qj * b_e)
+        else:
+            # one exponent tile of the whole chunk serves both
+            m_bk = m_b[:, None] & m_k[None, :]
+            m_ak = m_a[:, None] & m_k[None, :]
+            p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+            b_gt = tl.load(gk + p_tk, mask=m_bk | m_ak, other=0)  # [BT, BK]
+            b_et = fast_exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
+            b_kt = tl.load(k + p_tk, mask=m_bk, other=0).to(tl.float32)
+            b_qt = tl.load(q + p_tk, mask=m_ak, other=0).to(tl.float32)
+            b_dq = tl.dot(b_dAr, b_kt * b_et)  # [BC, BK]
+            b_dk = tl.dot(tl.trans(b_dAc), b_qt * b_et)
         b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
         b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
         if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
@@ -273,7 +299,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
 
 @triton.jit
 def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, cu_seqlens,
-                                chunk_indices, scale, inv_norm, clamp, SDQ, SDK, H: tl.constexpr, K: tl.constexpr,
+                                chunk_indices, scale, inv_norm, clamp, SD, H: tl.constexpr, K: tl.constexpr,
                                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                 LOGITS: tl.constexpr, CLAMP: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -318,10 +344,13 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
     if LOGITS:  # on to the gate's logits (``cumsum.logit_gate``), in their dtype
         b_dg = logit_gate_grad(tl.load(z + p_tk, mask=m_tk, other=0).to(tl.float32), b_dg, inv_norm, clamp, CLAMP)
-    # dq and dk at their own token strides (SDQ, SDK): column blocks of a caller's gradient buffer
-    p_hk = i_h * K + o_k[None, :]
-    tl.store(dq + o_t[:, None].to(tl.int64) * SDQ + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + o_t[:, None].to(tl.int64) * SDK + p_hk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    # dq and dk at their token stride SD (column blocks of a caller's gradient buffer), from the
+    # chunk's scalar base and one int32 offset tile for both: a tile of int64 addresses per output
+    # spilled (Triton 3.6: 32 bytes of stack against 8)
+    p_d = (bos + i_c * BT) * SD + i_h * K
+    o_d = tl.arange(0, BT)[:, None] * SD + o_k[None, :]
+    tl.store(dq + p_d + o_d, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_d + o_d, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
@@ -393,10 +422,10 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     # BK 32 on 4 warps at gla-1.3b's K = 64 and at K = 128 (docs/benchmarks.md); 8 warps keep more
     # [16, BK] fp32 tiles live than the registers hold
     BK = block_size(K, 128)
-    cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1)
+    cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1, blocks=True)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
-        SAFE_SPAN=SAFE_SPAN, **cfg)
+        SAFE_SPAN=SAFE_SPAN, BLOCKS=cfg.pop("blocks"), **cfg)
     return dq, dk
 
 
@@ -405,7 +434,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     """Full dq, dk (input dtypes) and the gradient of the raw gate dg (fp32); with ``logits = (z,
     normalizer, clamp_min)``, where the raw gate was ``cumsum.logit_gate`` of the logits z, the
     gradient of z instead (in z's dtype). ``out = (dq, dk)``: where they are written (q's and k's
-    shapes and dtypes, any token stride: ``index.token_stride``), in place of new tensors.
+    shapes and dtypes, one token stride for both: ``index.token_stride``), in place of new tensors.
 
     ``v`` is the value the state update used, ``h[c]`` the state before chunk c and ``dh[c]`` the
     gradient of the state after chunk c (``state.state_bwd``).
@@ -413,13 +442,15 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     B, T, H, K = q.shape
     V = v.shape[-1]
     dq, dk = (torch.empty_like(q), torch.empty_like(k)) if out is None else out
-    strides = token_stride("dq", dq, q.shape), token_stride("dk", dk, k.shape)
+    stride = token_stride("dq", dq, q.shape)
+    if token_stride("dk", dk, k.shape) != stride:
+        raise ValueError(f"dq and dk must have one token stride, got {dq.stride(1)} and {dk.stride(1)}")
     z = None if logits is None else logits[0]
     dg = torch.empty(q.shape, device=q.device, dtype=torch.float32 if z is None else z.dtype)
     inv_norm, clamp = logit_gate_args(None if logits is None else logits[1:])
     cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices, scale,
-        inv_norm, clamp, *strides, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
+        inv_norm, clamp, stride, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
         CLAMP=logits is not None and logits[2] is not None, **cfg)
     return dq, dk, dg
