@@ -260,9 +260,8 @@ SWEEPS = {
     "gla": {
         "vector_gate_scores": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
                                for ns in (1, 2, 3)],
-        # the off-diagonal terms a sub-chunk at a time (``blocks``) or as one tile of the chunk
-        "vector_gate_intra_bwd": [dict(blocks=b, BK=bk, num_warps=nw, num_stages=1) for b in (True, False)
-                                  for bk in (32, 64) for nw in (2, 4, 8)],
+        "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
+                                  for ns in (1, 2)],
         "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
                                  for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)],
         "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (64, 128)

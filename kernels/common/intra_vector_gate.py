@@ -16,8 +16,9 @@ valid row ``l``) and factors every product through a reference point of that sub
 - off-diagonal sub-blocks (columns j of earlier sub-chunks): with ``G_ref = G_s`` (the first row),
   ``exp(G_i - G_j) = exp(G_i - G_ref) * exp(G_ref - G_j)`` and both exponents are <= 0 because
   ``j < s <= i``: one matrix product of ``q ⊙ exp(G - G_ref)`` and ``k ⊙ exp(G_ref - G)`` over
-  all earlier columns at once (``[BC, BK] x [BK, BT]``). The backward of dk (rows x of later
-  sub-chunks) uses ``G_ref = G_l`` instead, for the same reason.
+  all earlier columns at once (``[BC, BK] x [BK, BT]``). The backward takes dq's terms one earlier
+  sub-chunk at a time (``[BC, BC] x [BC, BK]``), and dk's (rows x of later sub-chunks) one later
+  sub-chunk at a time with ``G_ref = G_l``, for the same reason.
 - the diagonal sub-block (``s <= j <= i <= l``) through the same reference points, as long as it
   is safe: with ``span = max_d (G_s,d - G_l,d)`` (per program and K block, at run time), the
   exponents of the two factors lie in ``[-span, 0]`` and ``[0, span]``. If ``span <= SAFE_SPAN``
@@ -194,11 +195,11 @@ def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, scale,
 @triton.jit
 def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
                                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                                 SAFE_SPAN: tl.constexpr, BLOCKS: tl.constexpr):
-    """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head. ``BLOCKS``:
-    the off-diagonal terms one ``[BC, BK]`` sub-chunk at a time, each read for the one product it
-    enters (dq's for earlier sub-chunks, dk's for later ones), instead of as one ``[BT, BK]`` tile
-    of the chunk masked into both."""
+                                 SAFE_SPAN: tl.constexpr):
+    """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head. The
+    off-diagonal terms come one ``[BC, BK]`` sub-chunk at a time, each read for the one product it
+    enters (dq's from earlier sub-chunks, dk's from later ones), where one ``[BT, BK]`` tile of the
+    chunk masked into both kept four such tiles live and spilled on 2 warps."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     t0 = bos + i_c * BT
@@ -209,17 +210,9 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
     o_c = tl.arange(0, BC)
     o_i = s_i + o_c
     m_i = o_i < eos
-    o_s = tl.arange(0, BT)
-    o_t = t0 + o_s
-    m_b = o_t < s_i  # rows of the earlier sub-chunks: columns j of dq's dA
-    m_a = (o_t >= s_i + BC) & (o_t < eos)  # valid rows of the later sub-chunks: rows x of dk's dA
-    # the blocks of dA this program needs, for all K blocks: its rows left of the diagonal
-    # sub-block, its columns below it, and the diagonal sub-block (lower triangle incl. diagonal)
+    # the rows of dA this program reads (its sub-chunk's), and the diagonal sub-block (lower
+    # triangle incl. diagonal), for all K blocks
     p_dA = dA + (o_i[:, None] * H + i_h) * BT
-    if not BLOCKS:
-        b_dAr = tl.load(p_dA + o_s[None, :], mask=m_i[:, None] & m_b[None, :], other=0)  # [BC, BT]
-        b_dAc = tl.load(dA + (o_t[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_a[:, None],
-                        other=0)  # [BT, BC]
     b_dAd = tl.load(p_dA + i_i * BC + o_c[None, :], mask=m_i[:, None] & (o_c[:, None] >= o_c[None, :]),
                     other=0)  # [BC, BC]
     for i_k in range(tl.cdiv(K, BK)):
@@ -232,37 +225,25 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
         b_g = tl.where(m_i[:, None], tl.load(gk + p_ik, mask=m_ik, other=0), b_gl[None, :])  # padded: G_l
         # off-diagonal: dq from the earlier rows through G_s, dk from the later rows through G_l
         # (every exponent <= 0)
-        if BLOCKS:
-            b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-            b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-            for i_j in range(0, i_i):  # earlier sub-chunks: every row valid
-                p_jk = ((t0 + i_j * BC + o_c)[:, None] * H + i_h) * K + o_k[None, :]
-                m_jk = m_k[None, :] & (o_c[:, None] < BC)
-                b_e = fast_exp(b_gn[None, :] - tl.load(gk + p_jk, mask=m_jk, other=0))
-                b_kj = tl.load(k + p_jk, mask=m_jk, other=0).to(tl.float32)
-                b_dAj = tl.load(p_dA + i_j * BC + o_c[None, :], mask=m_i[:, None], other=0)  # [BC, BC]
-                b_dq += tl.dot(b_dAj, b_kj * b_e)
-            for i_j in range(i_i + 1, tl.cdiv(tl.minimum(eos - t0, BT), BC)):  # later ones, to the last valid
-                o_j = t0 + i_j * BC + o_c
-                m_j = o_j < eos
-                p_jk = (o_j[:, None] * H + i_h) * K + o_k[None, :]
-                m_jk = m_j[:, None] & m_k[None, :]
-                b_e = fast_exp(tl.where(m_jk, tl.load(gk + p_jk, mask=m_jk, other=0) - b_gl[None, :], 0))
-                b_qj = tl.load(q + p_jk, mask=m_jk, other=0).to(tl.float32)
-                b_dAj = tl.load(dA + (o_j[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_j[:, None],
-                                other=0)  # [BC, BC]: rows j, columns of this sub-chunk
-                b_dk += tl.dot(tl.trans(b_dAj), b_qj * b_e)
-        else:
-            # one exponent tile of the whole chunk serves both
-            m_bk = m_b[:, None] & m_k[None, :]
-            m_ak = m_a[:, None] & m_k[None, :]
-            p_tk = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-            b_gt = tl.load(gk + p_tk, mask=m_bk | m_ak, other=0)  # [BT, BK]
-            b_et = fast_exp(tl.where(m_bk, b_gn[None, :] - b_gt, tl.where(m_ak, b_gt - b_gl[None, :], 0)))
-            b_kt = tl.load(k + p_tk, mask=m_bk, other=0).to(tl.float32)
-            b_qt = tl.load(q + p_tk, mask=m_ak, other=0).to(tl.float32)
-            b_dq = tl.dot(b_dAr, b_kt * b_et)  # [BC, BK]
-            b_dk = tl.dot(tl.trans(b_dAc), b_qt * b_et)
+        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_j in range(0, i_i):  # earlier sub-chunks: every row valid
+            p_jk = ((t0 + i_j * BC + o_c)[:, None] * H + i_h) * K + o_k[None, :]
+            m_jk = m_k[None, :] & (o_c[:, None] < BC)
+            b_e = fast_exp(b_gn[None, :] - tl.load(gk + p_jk, mask=m_jk, other=0))
+            b_kj = tl.load(k + p_jk, mask=m_jk, other=0).to(tl.float32)
+            b_dAj = tl.load(p_dA + i_j * BC + o_c[None, :], mask=m_i[:, None], other=0)  # [BC, BC]
+            b_dq += tl.dot(b_dAj, b_kj * b_e)
+        for i_j in range(i_i + 1, tl.cdiv(tl.minimum(eos - t0, BT), BC)):  # later ones, to the last valid
+            o_j = t0 + i_j * BC + o_c
+            m_j = o_j < eos
+            p_jk = (o_j[:, None] * H + i_h) * K + o_k[None, :]
+            m_jk = m_j[:, None] & m_k[None, :]
+            b_e = fast_exp(tl.where(m_jk, tl.load(gk + p_jk, mask=m_jk, other=0) - b_gl[None, :], 0))
+            b_qj = tl.load(q + p_jk, mask=m_jk, other=0).to(tl.float32)
+            b_dAj = tl.load(dA + (o_j[:, None] * H + i_h) * BT + i_i * BC + o_c[None, :], mask=m_j[:, None],
+                            other=0)  # [BC, BC]: rows j, columns of this sub-chunk
+            b_dk += tl.dot(tl.trans(b_dAj), b_qj * b_e)
         b_q = tl.load(q + p_ik, mask=m_ik, other=0).to(tl.float32)  # [BC, BK]
         b_k = tl.load(k + p_ik, mask=m_ik, other=0).to(tl.float32)
         if tl.max(b_gn - b_gl, 0) <= SAFE_SPAN:
@@ -411,21 +392,20 @@ def vector_gate_dv_dA(A, v, do, plan: ChunkPlan, *, scale: float) -> tuple[torch
 def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     """Intra-chunk parts of dq and dk (fp32) from ``dA`` (which already holds the scale).
 
-    One program per (chunk, sub-chunk of 16 rows, head); per K block ``[16, BT] x [BT, BK]``
-    products for the off-diagonal sub-blocks (dq from the earlier rows, dk from the later ones)
-    and, when the sub-chunk's gate span is at most ``SAFE_SPAN``, two ``[16, 16] x [16, BK]``
-    products with the diagonal sub-block of dA (else the per-token loop)."""
+    One program per (chunk, sub-chunk of 16 rows, head); per K block one ``[16, 16] x [16, BK]``
+    product per off-diagonal sub-block (dq's from each earlier sub-chunk, dk's from each later
+    one) and, when the sub-chunk's gate span is at most ``SAFE_SPAN``, two more with the diagonal
+    sub-block of dA (else the per-token loop)."""
     B, T, H, K = q.shape
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dk = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     # All of K (up to 128) in one block, on 2 warps for 64 keys and 4 for 128: on an H200 faster than
-    # BK 32 on 4 warps at gla-1.3b's K = 64 and at K = 128 (docs/benchmarks.md); 8 warps keep more
-    # [16, BK] fp32 tiles live than the registers hold
+    # BK 32 and than 4 or 8 warps at gla-1.3b's K = 64 (docs/benchmarks.md, launch choices)
     BK = block_size(K, 128)
-    cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1, blocks=True)
+    cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
         q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
-        SAFE_SPAN=SAFE_SPAN, BLOCKS=cfg.pop("blocks"), **cfg)
+        SAFE_SPAN=SAFE_SPAN, **cfg)
     return dq, dk
 
 
