@@ -282,7 +282,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
 def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, cu_seqlens,
                                 chunk_indices, scale, inv_norm, clamp, SD, H: tl.constexpr, K: tl.constexpr,
                                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                LOGITS: tl.constexpr, CLAMP: tl.constexpr):
+                                LOGITS: tl.constexpr, CLAMP: tl.constexpr, DENSE: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     o_t = bos + i_c * BT + tl.arange(0, BT)
@@ -325,13 +325,17 @@ def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, 
     b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
     if LOGITS:  # on to the gate's logits (``cumsum.logit_gate``), in their dtype
         b_dg = logit_gate_grad(tl.load(z + p_tk, mask=m_tk, other=0).to(tl.float32), b_dg, inv_norm, clamp, CLAMP)
-    # dq and dk at their token stride SD (column blocks of a caller's gradient buffer), from the
-    # chunk's scalar base and one int32 offset tile for both: a tile of int64 addresses per output
-    # spilled (Triton 3.6: 32 bytes of stack against 8)
-    p_d = (bos + i_c * BT) * SD + i_h * K
-    o_d = tl.arange(0, BT)[:, None] * SD + o_k[None, :]
-    tl.store(dq + p_d + o_d, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + p_d + o_d, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if DENSE:  # SD == H * K: the inputs' offsets
+        p_dq, p_dk = dq + p_tk, dk + p_tk
+    else:
+        # at token stride SD (column blocks of a caller's gradient buffer), from the chunk's scalar
+        # base and one int32 offset tile for both: a tile of int64 addresses per output spilled more,
+        # and any second tile spills where the fp32 gate is read (the dense case's own offsets do not)
+        p_d = (bos + i_c * BT) * SD + i_h * K
+        o_d = tl.arange(0, BT)[:, None] * SD + o_k[None, :]
+        p_dq, p_dk = dq + p_d + o_d, dk + p_d + o_d
+    tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
@@ -432,5 +436,5 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
         q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices, scale,
         inv_norm, clamp, stride, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
-        CLAMP=logits is not None and logits[2] is not None, **cfg)
+        CLAMP=logits is not None and logits[2] is not None, DENSE=stride == H * K, **cfg)
     return dq, dk, dg
