@@ -516,15 +516,14 @@ def gated_rms_norm(x, z, weight, *, eps=1e-6, norm_before_gate=True, groups=1):
     return _RMSNormFunction.apply(x, z, weight, float(eps), None, norm_before_gate, groups)
 
 
-@on_input_device
-def _dz_layout(dz: torch.Tensor, z: torch.Tensor, heads: bool) -> tuple[torch.Tensor, int, int]:
+def _dz_layout(dz: torch.Tensor, shape, dtype, heads: bool) -> tuple[torch.Tensor, int, int]:
     """``(dz, rows per token, token stride)`` of a caller's buffer for z's gradient: z's shape and
     dtype, each token's rows (its heads, with ``heads``) dense, the tokens evenly spaced (a column
     block of a wider buffer is one)."""
-    if tuple(dz.shape) != tuple(z.shape) or dz.dtype != z.dtype:
-        raise ValueError(f"dz_into must give z's shape {tuple(z.shape)} and dtype {z.dtype}, got "
+    if tuple(dz.shape) != tuple(shape) or dz.dtype != dtype:
+        raise ValueError(f"dz_into must give z's shape {tuple(shape)} and dtype {dtype}, got "
                          f"{tuple(dz.shape)} {dz.dtype}")
-    d, per = z.shape[-1], z.shape[-2] if heads else 1
+    d, per = shape[-1], shape[-2] if heads else 1
     try:
         t = dz.view(-1, per, d)
     except RuntimeError:
@@ -535,6 +534,7 @@ def _dz_layout(dz: torch.Tensor, z: torch.Tensor, heads: bool) -> tuple[torch.Te
     return dz, per, t.stride(0)
 
 
+@on_input_device
 def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_before_gate=True, groups=1,
                 heads=False, dz_into=None):
     """A layer's output norm and the projection after it in one autograd node: ``F.linear(y,
@@ -578,8 +578,11 @@ def norm_linear(x, z, weight, proj_weight, proj_bias=None, *, eps=1e-6, norm_bef
     x2 = x.reshape(-1, d).contiguous()
     into = None
     if dz_into is not None and z is not None:
+        # z's shape, not z: the node keeps this until the graph goes, and z only until its backward
+        shape, dtype = z.shape, z.dtype
+
         def into():
-            return _dz_layout(dz_into(), z, heads)
+            return _dz_layout(dz_into(), shape, dtype, heads)
     out = _NormLinearFunction.apply(x2, z, weight.contiguous(), float(eps), z is not None and not norm_before_gate,
                                     groups, proj_weight, proj_bias, into)
     return out.view(*lead, proj_weight.shape[0])

@@ -709,10 +709,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     dh = k.new_empty(plan.num_chunks, H, K, V)
     dv2 = dv_out if dv_out is not None else torch.empty_like(do) if intra_dv else None if dv is None else (
         torch.empty_like(dv))
+    sdv = H * V if dv2 is None else token_stride("dv_out", dv2, do.shape)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
         q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
-        scale, H * V if dv2 is None else token_stride("dv_out", dv2, do.shape), H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
+        scale, sdv, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
         USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, **cfg)
     return dh, dh0, dv2

@@ -58,12 +58,15 @@ class GatedLinearAttention(LinearMixer):
             # the gate formed from its logits inside the chunk op's kernels: no fp32 gate written and
             # read each way (``chunk_gla(gate_logits=)``). A mask zeroes the gate itself (no decay at
             # padding), so masked inputs form it first.
-            into = None if grads is None else lambda: tuple(grads.block(i, y.shape) for i, y in enumerate((q, k, v)))
+            # shapes, not tensors: the op's node keeps the callable until the graph goes
+            shapes = q.shape, k.shape, v.shape
+            into = None if grads is None else lambda: tuple(grads.block(i, s) for i, s in enumerate(shapes))
             o = self.run_kernel(functools.partial(chunk_gla, gate_logits=gate_map, grads_into=into), recurrent_gla,
                                 q, k, v, logits, layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
         else:
             k, v, gk = mask_tokens(mask, k, v, gla_gate(logits, *gate_map))
             o = self.run_kernel(chunk_gla, recurrent_gla, q, k, v, gk,
                                 layer_cache=layer_cache, decoding=decoding, cu_seqlens=cu_seqlens)
-        dz_into = None if grads is None else lambda: grads.block(self.input_projections.index("g_proj"), gate.shape)
+        gate_block, gate_shape = self.input_projections.index("g_proj"), gate.shape
+        dz_into = None if grads is None else lambda: grads.block(gate_block, gate_shape)
         return self.output(o, gate, dz_into=dz_into)
