@@ -76,7 +76,7 @@ class GradColumns:
             if g is None:
                 b.zero_()
             elif g.data_ptr() != b.data_ptr() or g.stride() != b.stride():
-                b.copy_(g.view(b.shape) if g.shape != b.shape else g)
+                b.copy_(g)
         whole, self.buffer = self.buffer, None
         return whole.view(-1, whole.shape[-1])
 

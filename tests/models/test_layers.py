@@ -147,6 +147,22 @@ def test_narrow_map_that_cannot_share_the_product_stays_apart(monkeypatch):
     assert ((outs[0] - outs[1]).norm() / outs[1].norm()) < 1e-5
 
 
+def gla_layer_results(layer, x, monkeypatch, key, choices):
+    """Under each choice of ``TUNING[key]``: the layer's output on x packed as two sequences, x's
+    gradient and every parameter's, for the loss ``sum(y^2)``."""
+    from ttr.kernels.common.index import TUNING
+
+    results = []
+    for choice in choices:
+        monkeypatch.setitem(TUNING, key, choice)
+        xx = x.clone().requires_grad_()
+        layer.zero_grad()
+        y = layer(xx, cu_seqlens=torch.tensor([0, 30, x.shape[1]]))
+        y.square().sum().backward()
+        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+    return results
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gla_layer_gives_its_op_the_gate_logits(backend, monkeypatch):
     """GLA's layer hands the op its gate's logits (``chunk_gla(gate_logits=)``) unless
@@ -165,15 +181,7 @@ def test_gla_layer_gives_its_op_the_gate_logits(backend, monkeypatch):
     model = TTRForCausalLM(get_preset("gla-debug", vocab_size=64, gla_gate_clamp_min=-0.04))
     cfg, layer = model.config, model.model.layers[0].mixer
     x = torch.randn(1, 70, cfg.hidden_size)
-    cu = torch.tensor([0, 30, 70])
-    results = []
-    for fused in (True, False):
-        monkeypatch.setitem(TUNING, "gla_gate", {"fused": fused})
-        xx = x.clone().requires_grad_()
-        layer.zero_grad()
-        y = layer(xx, cu_seqlens=cu)
-        y.square().sum().backward()
-        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+    results = gla_layer_results(layer, x, monkeypatch, "gla_gate", [{"fused": True}, {"fused": False}])
     assert calls == [(cfg.gla_gate_logit_normalizer, -0.04), None]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -191,7 +199,6 @@ def test_gla_layer_writes_its_projections_gradients_into_one_buffer(backend, mon
     ``gk_down``'s block copied in: the output and every gradient as with a product per projection
     (``TUNING["gla_columns"]``), packed; the torch path writes nothing into it and takes the products
     one by one."""
-    from ttr.kernels.common.index import TUNING
     from ttr.models import modules
 
     monkeypatch.setenv("TTR_KERNEL_BACKEND", backend)
@@ -209,15 +216,7 @@ def test_gla_layer_writes_its_projections_gradients_into_one_buffer(backend, mon
     for p in layer.parameters():  # every gradient away from zero (the gate's up-projection starts at zero)
         torch.nn.init.normal_(p, 0.0, 0.1)
     x = torch.randn(1, 70, model.config.hidden_size)
-    cu = torch.tensor([0, 30, 70])
-    results = []
-    for enabled in (True, False):
-        monkeypatch.setitem(TUNING, "gla_columns", {"enabled": enabled})
-        xx = x.clone().requires_grad_()
-        layer.zero_grad()
-        y = layer(xx, cu_seqlens=cu)
-        y.square().sum().backward()
-        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+    results = gla_layer_results(layer, x, monkeypatch, "gla_columns", [{"enabled": True}, {"enabled": False}])
     names = ["y", "x"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
