@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ttr.kernels.common.index import Packing, check_cu_seqlens_form, host_cu_seqlens
+from ttr.kernels.common.index import Packing, check_cu_seqlens_form, host_cu_seqlens, tuned
 
 BACKENDS = ("triton", "torch")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -194,6 +194,23 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None
     """The bias's gradient, the column sums of ``g [rows, O]`` accumulated in fp32 and returned in
     the bias's ``dtype``; None where there is no bias (``dtype`` None)."""
     return None if dtype is None else g.sum(0, dtype=torch.float32).to(dtype)
+
+
+def weight_bias_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype,
+                     bias_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight_grad(g, x, dtype), bias_grad(g, bias_dtype))``. Where x is narrow beside g (at most
+    a quarter of its columns: GLA's rank-16 gate map up to its keys) the bias's gradient is one more
+    column of the weight's product, x padded with a column of ones to a width of whole 16 bytes:
+    g is read once, where the column sums are a reduction over g of their own (a slow one, across
+    rows). ``TUNING["bias_column"] = {"enabled": False}`` takes the two apart (for measurement)."""
+    n = x.shape[1]
+    width = (n + 8) // 8 * 8  # n + 1 columns, rounded up to whole 16 bytes of bf16 (aligned rows)
+    if bias_dtype != dtype or width * 4 > g.shape[1] or not tuned("bias_column", enabled=True)["enabled"]:
+        return weight_grad(g, x, dtype), bias_grad(g, bias_dtype)
+    padded = torch.nn.functional.pad(x, (0, width - n))
+    padded[:, n] = 1
+    both = weight_grad(g, padded, dtype)
+    return both[:, :n].contiguous(), both[:, n].contiguous()
 
 
 _RESIDENT: dict[tuple, int] = {}

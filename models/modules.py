@@ -13,7 +13,7 @@ from ttr.kernels.conv import causal_conv1d, causal_conv1d_update
 from ttr.kernels.norm import gated_rms_norm, l2_norm, residual_rms_norm, rms_norm
 from ttr.kernels.norm import norm_linear as fused_norm_linear
 from ttr.kernels.swiglu import swiglu, swiglu_linear
-from ttr.kernels.utils import bias_grad, weight_grad
+from ttr.kernels.utils import bias_grad, weight_bias_grad, weight_grad
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -162,8 +162,12 @@ class _SharedInputLinear(torch.autograd.Function):
             if need[0]:
                 dx = g2 @ w if dx is None else dx.addmm_(g2, w)
             wanted = [need[4 + i] and g is not None for i, g in zip(group, gs)]
+            i0 = group[0]
+            if len(group) == 1 and wanted[0] and need[4 + n + i0]:  # a map's weight and bias, perhaps one product
+                dws[i0], dbs[i0] = weight_bias_grad(g2, x2, ctx.dtypes[i0], ctx.dtypes[n + i0])
+                continue
             if any(wanted):
-                dw = weight_grad(g2, x2, ctx.dtypes[group[0]]).split([widths[i] for i in group])
+                dw = weight_grad(g2, x2, ctx.dtypes[i0]).split([widths[i] for i in group])
                 for i, dwi, want in zip(group, dw, wanted):
                     dws[i] = dwi if want else None
             for i, g in zip(group, gs):

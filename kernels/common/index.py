@@ -231,7 +231,9 @@ def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bo
 # False} keeps the narrow gate maps out of it), "mlp_columns" -> {"enabled": False} for the MLP's
 # gate and up as two products, "gla_gate" -> {"fused": False} for GLA's gate formed before its op
 # rather than inside it, and "gla_columns" -> {"enabled": False} for GLA's projections' gradients
-# each by its own products rather than from one buffer (``models.layers.gla``). Empty in normal use;
+# each by its own products rather than from one buffer (``models.layers.gla``), "bias_column" ->
+# {"enabled": False} for a narrow map's bias gradient summed apart from its weight's product
+# (``utils.weight_bias_grad``). Empty in normal use;
 # scripts/bench_kernels.py --sweep fills it to measure alternatives to the built-in heuristics.
 TUNING: dict[str, dict] = {}
 

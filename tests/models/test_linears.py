@@ -121,17 +121,18 @@ def test_linears_call_modules_that_are_not_plain():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 3])
-def test_linears_fp32_weight_grads_on_cuda(n):
+@pytest.mark.parametrize("n,d", [(1, 256), (3, 256), (3, 16)])
+def test_linears_fp32_weight_grads_on_cuda(n, d):
     """On CUDA under bf16 autocast the weights' fp32 gradients come from the product itself
     (``torch.mm(..., out_dtype=float32)``): the float64 product of the bf16 operands to fp32
-    accuracy, also through transposed operands and a bias."""
+    accuracy, also through transposed operands and a bias, and from 16 inputs the bias's gradient
+    as a column of its weight's product (``weight_bias_grad``)."""
     torch.manual_seed(0)
-    mods = [nn.Linear(256, (16, 128, 8)[i], bias=i == 1).cuda() for i in range(n)]
-    x = torch.randn(4, 96, 256, device="cuda")
+    mods = [nn.Linear(d, (16, 128, 8)[i], bias=i == 1).cuda() for i in range(n)]
+    x = torch.randn(4, 96, d, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         outs, grads = _grads(mods, x, shared, used=tuple(range(n)))
-    x2 = x.to(torch.bfloat16).reshape(-1, 256).double()
+    x2 = x.to(torch.bfloat16).reshape(-1, d).double()
     params = [p for m in mods for p in m.parameters()]
     expected = []
     for i, (out, m) in enumerate(zip(outs, mods)):
@@ -141,6 +142,29 @@ def test_linears_fp32_weight_grads_on_cuda(n):
     for got, ref in zip(grads[1:], expected):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_narrow_input_bias_grad_as_a_weight_product_column(folded, monkeypatch):
+    """A map from few inputs to many outputs (GLA's rank-16 gate map up to its keys) takes its bias's
+    gradient as one more column of its weight's product (x padded with ones): the gradients of the
+    module called alone, and no column sums of their own; ``TUNING["bias_column"]`` off sums them."""
+    import ttr.kernels.utils as utils
+    from ttr.kernels.common.index import TUNING
+
+    monkeypatch.setitem(TUNING, "bias_column", {"enabled": folded})
+    sums = []
+    monkeypatch.setattr(utils, "bias_grad", lambda g, dtype: sums.append(g) or g.sum(0, dtype=torch.float32).to(dtype))
+    torch.manual_seed(0)
+    mods = [nn.Linear(16, 96, bias=True)]
+    x = torch.randn(3, 7, 16)
+    outs_a, grads_a = _grads(mods, x, separate, used=(0,))
+    outs_b, grads_b = _grads(mods, x, shared, used=(0,))
+    torch.testing.assert_close(outs_a[0], outs_b[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        assert a.shape == b.shape and b.is_contiguous()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(sums) == (0 if folded else 1)
 
 
 def test_narrow_maps_share_one_product():
