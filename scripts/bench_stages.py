@@ -262,8 +262,10 @@ SWEEPS = {
                                for ns in (1, 2, 3)],
         "vector_gate_intra_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64) for nw in (2, 4, 8)
                                   for ns in (1, 2)],
+        # and under a cap of 168 registers: three programs per SM instead of two (its epilogue spills)
         "vector_gate_bwd_dqkg": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64)
-                                 for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)],
+                                 for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)]
+        + [dict(maxnreg=168, num_stages=ns) for ns in (1, 2)],
         "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (64, 128)
                                for nw in (4, 8) for ns in (1, 2, 3)],
         # the sequential state pass (two_level=False) against the two-level one's tiles
