@@ -218,7 +218,9 @@ DELTA_SWEEP = {
     "wy_fwd": [dict(num_warps=nw) for nw in (2, 8)],
     "wy_inverse": [dict(num_warps=nw) for nw in (2, 4)],
     "output_bwd_dqk": [dict(BK=64, num_warps=nw) for nw in (4, 8)] + [dict(BK=128, BV=bv, num_warps=8, num_stages=ns)
-                                                                  for bv in (32, 64) for ns in (2, 3)],
+                                                                  for bv in (32, 64) for ns in (2, 3)]
+    # in two K blocks on 4 warps (the gated default) with deeper pipelines, over value blocks of 64 or 32
+    + [dict(BK=64, BV=bv, num_warps=4, num_stages=ns) for bv, ns in ((64, 4), (32, 3), (32, 4), (32, 6))],
     **STATE_WALK_SWEEP,
     # the forward walk forming the output or an output launch after it (``state.walk_forms_output``)
     "state_fwd": STATE_WALK_SWEEP["state_fwd"] + [dict(output=o, num_warps=nw, num_stages=ns) for o in (True, False)
@@ -241,8 +243,11 @@ SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
     "gated_delta": {
-        "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((32, 32), (32, 64), (64, 64), (64, 128),
-                   (128, 64), (128, 128)) for nw in (4, 8)],
+        # BK 32 is left out: (32, 32) gave an illegal memory access on the H200 (Triton 3.6), after which
+        # every later launch of the sweep failed
+        "wy_bwd": [dict(BK=bk, BV=bv, num_warps=nw) for bk, bv in ((64, 64), (64, 128), (128, 64), (128, 128))
+                   for nw in (4, 8)]
+        + [dict(num_stages=ns) for ns in (2, 4)],
         **DELTA_SWEEP,
         # the launches beside the gated walks: the output after the forward walk, the intra-chunk dv
         # before the backward walk (timed through the walk's stage, ``SWEEP_ALIASES``)
