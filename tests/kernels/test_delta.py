@@ -378,15 +378,24 @@ GPU_TOL = {torch.float32: 7.5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("B,T,D,cu_list", [(2, 1000, 128, None), (1, 8192, 128, None),
-                                           (1, 3000, 128, [0, 1, 700, 764, 2000, 3000]), (2, 300, 256, None),
-                                           (1, 700, 256, [0, 1, 130, 194, 700])])
-def test_gpu_chunk_matches_oracle(monkeypatch, op, dtype, B, T, D, cu_list):
+@pytest.mark.parametrize("B,T,K,V,cu_list", [(2, 1000, 128, 128, None), (1, 8192, 128, 128, None),
+                                             (1, 3000, 128, 128, [0, 1, 700, 764, 2000, 3000]),
+                                             (2, 300, 256, 256, None), (1, 700, 256, 256, [0, 1, 130, 194, 700]),
+                                             # heads narrower than the launches' 64-wide key tiles
+                                             (2, 1000, 32, 32, None), (2, 1000, 32, 64, None),
+                                             (2, 1000, 64, 64, None), (1, 700, 32, 64, [0, 1, 130, 194, 700]),
+                                             # 128 documents: the launches that a full grid picks (the walks)
+                                             (1, 6400, 32, 64, list(range(0, 6401, 50)))],
+                         ids=lambda a: "many" if isinstance(a, list) and len(a) > 8 else None)
+def test_gpu_chunk_matches_oracle(monkeypatch, op, dtype, B, T, K, V, cu_list):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     H = 2
-    x, cu = make_inputs(op, B, T, H, D, D, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
+    x, cu = make_inputs(op, B, T, H, K, V, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
+    # at 32 keys the 16-bit errors of dk and dbeta against float64 reach 1.07e-2 and 1.0e-2 on these
+    # inputs; fla's chunk rules on the same inputs give the same, so it is the format's, not the kernels'
+    tols = dict.fromkeys(("dk", "dbeta"), 1.25e-2) if K <= 32 and dtype != torch.float32 else None
     # the float64 oracle runs on the GPU too (per-token loop, fine at these sizes)
-    check_against_oracle(op, x, cu, tol=GPU_TOL[dtype])
+    check_against_oracle(op, x, cu, tol=GPU_TOL[dtype], tols=tols)
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.float32, 32), pytest.param(torch.bfloat16, 128, marks=pytest.mark.gpu),
