@@ -384,6 +384,7 @@ GPU_TOL = {torch.float32: 7.5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
                                              # heads narrower than the launches' 64-wide key tiles
                                              (2, 1000, 32, 32, None), (2, 1000, 32, 64, None),
                                              (2, 1000, 64, 64, None), (1, 700, 32, 64, [0, 1, 130, 194, 700]),
+                                             (2, 1000, 96, 96, None),  # not a power of two: masked tiles
                                              # 128 documents: the launches that a full grid picks (the walks)
                                              (1, 6400, 32, 64, list(range(0, 6401, 50)))],
                          ids=lambda a: "many" if isinstance(a, list) and len(a) > 8 else None)
