@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ttr.kernels.common.index import TUNING
 from ttr.kernels.delta import chunk_delta_rule, recurrent_delta_rule, reference_delta_rule
+from ttr.kernels.delta.api import MIN_COMPILED_KEYS
 from ttr.kernels.gated_delta import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -360,6 +361,23 @@ def test_gate_dtype_raises():
         call(OPS["gated_delta"][0], "gated_delta", x, None)
 
 
+def test_compiled_kernels_refuse_narrow_keys(monkeypatch):
+    """Compiled (not under the interpreter), the ungated rule refuses key heads narrower than
+    ``MIN_COMPILED_KEYS`` with one line naming k and the backend that runs them; wider heads, the
+    gated rule and the torch backend are not refused."""
+    from ttr.kernels.delta import api
+
+    monkeypatch.setattr(api, "interpreter_active", lambda: False)
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    x, cu = make_inputs("delta", 1, 8, 2, MIN_COMPILED_KEYS - 1, 32)
+    with pytest.raises(ValueError, match=r"k has 16 keys per head.*TTR_KERNEL_BACKEND=torch"):
+        call(chunk_delta_rule, "delta", x, cu)
+    api.check_compiled_key_width(torch.empty(1, 1, 1, MIN_COMPILED_KEYS))
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
+    o, _ = call(chunk_delta_rule, "delta", x, cu)
+    assert torch.isfinite(o).all()
+
+
 def test_float64_on_triton_backend_raises(monkeypatch):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     x, _ = make_inputs("delta", 1, 8, 2, 16, 16)
@@ -384,7 +402,7 @@ GPU_TOL = {torch.float32: 7.5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
                                              # heads narrower than the launches' 64-wide key tiles
                                              (2, 1000, 32, 32, None), (2, 1000, 32, 64, None),
                                              (2, 1000, 64, 64, None), (1, 700, 32, 64, [0, 1, 130, 194, 700]),
-                                             (2, 1000, 96, 96, None),  # not a power of two: masked tiles
+                                             (2, 1000, 16, 32, None), (2, 1000, 96, 96, None),  # 96: masked tiles
                                              # 128 documents: the launches that a full grid picks (the walks)
                                              (1, 6400, 32, 64, list(range(0, 6401, 50)))],
                          ids=lambda a: "many" if isinstance(a, list) and len(a) > 8 else None)
@@ -392,6 +410,10 @@ def test_gpu_chunk_matches_oracle(monkeypatch, op, dtype, B, T, K, V, cu_list):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     H = 2
     x, cu = make_inputs(op, B, T, H, K, V, beta_max=2.0, cu_seqlens=cu_list, dtype=dtype, device="cuda")
+    if op == "delta" and K < MIN_COMPILED_KEYS:
+        with pytest.raises(ValueError, match=f"k has {K} keys per head"):
+            call(OPS[op][0], op, x, cu)
+        return
     # at 32 keys the 16-bit errors of dk and dbeta against float64 reach 1.07e-2 and 1.0e-2 on these
     # inputs; fla's chunk rules on the same inputs give the same, so it is the format's, not the kernels'
     tols = dict.fromkeys(("dk", "dbeta"), 1.25e-2) if K <= 32 and dtype != torch.float32 else None
