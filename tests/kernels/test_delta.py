@@ -373,6 +373,8 @@ def test_compiled_kernels_refuse_narrow_keys(monkeypatch):
     with pytest.raises(ValueError, match=r"k has 16 keys per head.*TTR_KERNEL_BACKEND=torch"):
         call(chunk_delta_rule, "delta", x, cu)
     api.check_compiled_key_width(torch.empty(1, 1, 1, MIN_COMPILED_KEYS))
+    gx, _ = make_inputs("gated_delta", 1, 8, 2, MIN_COMPILED_KEYS - 1, 32)
+    assert torch.isfinite(call(chunk_gated_delta_rule, "gated_delta", gx, cu)[0]).all()
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "torch")
     o, _ = call(chunk_delta_rule, "delta", x, cu)
     assert torch.isfinite(o).all()
