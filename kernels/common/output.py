@@ -305,7 +305,7 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
         if g is not None or dv is None or V > 128:
             raise ValueError("output_bwd_dqk: h=None (the walk) takes no gate, needs dv and at most 128 values")
         return _dqk_walk(q, k, v, dh, do, dv, h0, plan, scale=scale)
-    BK, BV = block_size(K, 64), block_size(V, 64)
+    BV = block_size(V, 64)
     if K <= 128 and g is None:
         # without a gate (DeltaNet): one program per chunk over all of K, so dS is formed once, not once per K
         # block, and v, do and dv are read once; 8 warps hold the wider [BT, K] tiles. With a gate
@@ -314,10 +314,10 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
         cfg = tuned("output_bwd_dqk", BK=block_size(K, 128), BV=BV, num_warps=8,
                     num_stages=2 if q.element_size() == 4 else 3)
     else:
-        # key blocks no narrower than 64, masked at narrower heads: at 32 keys and 64 values on four
-        # warps the stage's gated form made an illegal memory access on Hopper (Triton 3.6), where
-        # the masked block of 64 gives the float64 oracle's results (tests/kernels/test_gla_gpu.py)
-        cfg = tuned("output_bwd_dqk", BK=max(BK, 64), BV=BV, num_stages=2 if q.element_size() == 4 else 3)
+        # key blocks of 64, masked at narrower heads: at 32 keys and 64 values on four warps the
+        # stage's gated form made an illegal memory access on Hopper (Triton 3.6), where the masked
+        # block of 64 gives the float64 oracle's results (tests/kernels/test_gla_gpu.py)
+        cfg = tuned("output_bwd_dqk", BK=64, BV=BV, num_stages=2 if q.element_size() == 4 else 3)
     NK = cdiv(K, cfg["BK"])
     dq = q.new_empty(B, T, H, K)
     dk = q.new_empty(B, T, H, K)

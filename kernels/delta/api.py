@@ -17,7 +17,7 @@ from ttr.kernels.utils import (
 # The ungated rule's backward at 16 keys per head (tiles of 16 keys) gave wrong dk, dv and dbeta on
 # the H200 in bf16 and fp16 (Triton 3.6) while its output, dq and the initial state's gradient
 # matched the float64 oracle; the interpreter, and the gated rule in bf16, give the oracle's there.
-# Until a launch at such heads is tested on the GPU, the compiled kernels refuse them.
+# No launch at such heads has passed the GPU tests, so the compiled kernels refuse them.
 MIN_COMPILED_KEYS = 17
 
 
