@@ -15,7 +15,7 @@ Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``.
 from __future__ import annotations
 
 from ttr.kernels.common.torch_chunk import chunk_torch
-from ttr.kernels.delta.api import check_compiled_key_width, check_triton_dtype, validate
+from ttr.kernels.delta.api import check_triton_dtype, validate
 from ttr.kernels.delta.chunk import ChunkDeltaRuleFunction
 from ttr.kernels.delta.recurrent import recurrent_delta_triton
 from ttr.kernels.delta.reference import delta_reference_core
@@ -30,8 +30,7 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_fi
 
     Args:
         q, k: ``[B, T, H, K]`` queries and keys (fp32, fp16 or bf16; float64 on the torch
-            backend), L2-normalised by the caller. The GPU kernels take K of at least
-            ``api.MIN_COMPILED_KEYS`` (17); the torch backend any.
+            backend), L2-normalised by the caller.
         v: ``[B, T, H, V]`` values, q's dtype.
         beta: ``[B, T, H]`` write strengths, in (0, 1) (or (0, 2) for negative eigenvalues).
         scale: factor on ``q``, default ``K ** -0.5``.
@@ -49,7 +48,6 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_fi
     if kernel_backend(q) == "torch":
         return chunk_torch(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens)
     check_triton_dtype(q)
-    check_compiled_key_width(k)
     return ChunkDeltaRuleFunction.apply(q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 

@@ -11,14 +11,7 @@ from ttr.kernels.utils import (
     check_head_dim,
     check_initial_state,
     check_rank,
-    interpreter_active,
 )
-
-# The ungated rule's backward at 16 keys per head (tiles of 16 keys) gave wrong dk, dv and dbeta on
-# the H200 in bf16 and fp16 (Triton 3.6) while its output, dq and the initial state's gradient
-# matched the float64 oracle; the interpreter, and the gated rule in bf16, give the oracle's there.
-# No launch at such heads has passed the GPU tests, so the compiled kernels refuse them.
-MIN_COMPILED_KEYS = 17
 
 
 def validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, gated: bool) -> float:
@@ -61,10 +54,3 @@ def check_triton_dtype(q: torch.Tensor) -> None:
         raise TypeError(f"q has dtype {q.dtype}; the Triton kernels take {SUPPORTED_DTYPES} "
                         "(use the reference_* functions or TTR_KERNEL_BACKEND=torch for float64)")
 
-
-def check_compiled_key_width(k: torch.Tensor) -> None:
-    """Refuse key heads narrower than ``MIN_COMPILED_KEYS`` where the kernels run compiled (not
-    under the interpreter), with the backend that runs them named."""
-    if k.shape[-1] < MIN_COMPILED_KEYS and not interpreter_active():
-        raise ValueError(f"k has {k.shape[-1]} keys per head; the delta rule's GPU kernels take at least "
-                         f"{MIN_COMPILED_KEYS} (TTR_KERNEL_BACKEND=torch runs narrower heads)")

@@ -28,6 +28,8 @@ SHAPES = [  # (B, T, H, K, V, cu_seqlens)
     (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]),
     (2, 1024, 4, 32, 64, None),  # heads narrower than the launches' key and value tiles
     (2, 1024, 4, 16, 32, None),
+    (2, 1024, 4, 8, 16, None),
+    (2, 1024, 4, 48, 64, None),  # a masked key tile
     (1, 1500, 4, 64, 64, [0, 1, 700, 1500]),
     (2, 1024, 4, 96, 96, None),  # not a power of two: masked tiles
     (1, 6400, 4, 32, 64, list(range(0, 6401, 100))),  # 64 documents: the launches a full grid picks

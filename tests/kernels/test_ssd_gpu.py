@@ -38,6 +38,7 @@ def inputs(b, t, h, groups, n_state, p, dtype, n):
      (1, 3000, 8, 1, 128, 64, [0, 1, 64, 1000, 3000]),
      # Mamba2's N = 64 in 8 groups, and a state narrower than the launches' tiles
      (2, 2048, 16, 8, 64, 64, None), (1, 1000, 4, 1, 32, 32, [0, 1, 500, 1000]), (2, 1024, 4, 1, 16, 32, None),
+     (2, 1024, 4, 1, 8, 16, None), (2, 1024, 4, 1, 48, 64, None),
      (2, 1024, 8, 2, 96, 96, None),  # not a power of two: masked tiles
      (1, 6400, 8, 1, 32, 32, list(range(0, 6401, 100)))],  # 64 documents: the launches a full grid picks
     ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
