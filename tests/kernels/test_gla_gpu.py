@@ -25,6 +25,7 @@ SHAPES = [  # (B, T, H, K, V, cu_seqlens)
     (2, 2048, 4, 64, 128, None),  # gla-1.3b's head shape (its own launch defaults)
     (1, 8192, 2, 128, 128, None),
     (1, 1024, 2, 256, 256, None),
+    (1, 1024, 2, 192, 160, None),  # above 128, not a power of two
     (1, 4097, 4, 128, 128, [0, 1, 700, 2048, 4097]),
     (2, 1024, 4, 32, 64, None),  # heads narrower than the launches' key and value tiles
     (2, 1024, 4, 16, 32, None),
