@@ -53,4 +53,3 @@ def check_triton_dtype(q: torch.Tensor) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; the Triton kernels take {SUPPORTED_DTYPES} "
                         "(use the reference_* functions or TTR_KERNEL_BACKEND=torch for float64)")
-
