@@ -91,17 +91,18 @@ def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, scale, cu_seqlens, chunk_offsets,
+def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale, cu_seqlens, chunk_offsets,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                     STORE_H: tl.constexpr, OUTPUT: tl.constexpr, KEPT_S: tl.constexpr):
+                     STORE_H: tl.constexpr, OUTPUT: tl.constexpr, KEPT_S: tl.constexpr, USE_SKIP: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
     # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
     # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
     # q, k and v_new tiles; KEPT_S: it reads the chunk's scores ``q k^T ⊙ causal ⊙ Γ`` from ``s``
-    # (``wy.wy_fwd``'s) instead of forming them; STORE_H off: the states are not written (nothing
-    # reads them).
+    # (``wy.wy_fwd``'s) instead of forming them; USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``,
+    # of the unscaled values), in fp32 before its one rounding; STORE_H off: the states are not
+    # written (nothing reads them).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -125,6 +126,12 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, scale, cu_se
         p_kb = qk_rows(k, bos, i_h, H, HK, K)
         b_v = _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
         b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
+        last = tl.minimum((i_c + 1) * BT, T) - 1
+        m_t = i_c * BT + o_i < T
+        if USE_US:
+            # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
+            # products' one rounding instead of as a tensor of their own
+            b_v *= tl.load(us + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)[:, None]
         if SPLIT:
             b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         if OUTPUT:
@@ -148,15 +155,13 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, scale, cu_se
             # keeps v_new and walks the chunks again without w forms these states from the same
             # operands (bit for bit where its launch sums the products in the same order)
             b_v = b_v.to(v_new.dtype.element_ty).to(tl.float32)
-        last = tl.minimum((i_c + 1) * BT, T) - 1
-        m_t = i_c * BT + o_i < T
         if OUTPUT:
             b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G, KEPT_S)
+            if USE_SKIP:
+                # u's tile as loaded (a cache hit) rather than held unscaled beside b_v
+                b_o += tl.load(skip + i_h) * _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
+                                                        BT, BV).to(tl.float32)
             _store_half(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-        if USE_US:
-            # the values are u's rows times a scale (SSD: x dt), formed here in fp32 before the
-            # product's one rounding instead of as a tensor of their own
-            b_v *= tl.load(us + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)[:, None]
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
@@ -539,6 +544,12 @@ def walk_reads_scores(gated: bool, walks: int, K: int, V: int, device) -> bool:
     return K <= 128 and bool(tuned("state_fwd", scores=gated and full)["scores"])
 
 
+def walk_can_form_output(K: int, plan: ChunkPlan, heads: int, *, w: torch.Tensor | None = None) -> bool:
+    """Whether ``state_fwd(..., q=)`` forms the output in its walk: a sequential walk (not the
+    two-level pass, ``_two_level``) over one key block (K <= 128)."""
+    return K <= 128 and not _two_level("state_fwd", w, plan, None, heads=heads)
+
+
 def walk_forms_output(gated: bool, scores: bool = False) -> bool:
     """Whether the delta rules' forward has the state walk form the output (``state_fwd(..., q=q)``)
     rather than launching ``output.output_fwd`` after it; ``TUNING["state_fwd"]["output"]``
@@ -617,32 +628,38 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
               q: torch.Tensor | None = None, scale: float = 1.0, keep_h: bool = True,
-              scores: torch.Tensor | None = None):
+              scores: torch.Tensor | None = None, skip: torch.Tensor | None = None):
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     ``u_scale`` (``[B, T, H]`` fp32, not with ``w``): the values are ``u * u_scale[..., None]``, scaled
     in fp32 inside the pass (SSD's ``x dt``, which then never exists as a tensor); v_new is then None.
     Without ``w`` and with long sequences the two-level pass (module docstring, ``_two_level``).
 
-    With ``q`` (a scalar gate or none, no ``u_scale``) the pass also forms the output,
-    ``output.output_fwd(q, k, v_new, h, plan, scale=scale, g=g)``, and returns ``(h, v_new, final,
-    o)``: the walk holds each chunk's state and loads its k and values anyway, so it adds q's tile
-    and three products per step instead of a launch that reads the states back (sequential walk
-    only; before the two-level pass, or at K > 128, that launch). ``keep_h=False``: h is not
-    needed after the call and is not written (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙
-    causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)`` formed, which the walk then reads instead of forming
-    them (``walk_reads_scores``)."""
+    With ``q`` (a scalar gate or none) the pass also forms the output,
+    ``output.output_fwd(q, k, v_new, h, plan, scale=scale, g=g)`` (its values scaled by ``u_scale``
+    where given, plus ``skip[h] u`` with ``skip`` ``[H]`` fp32: SSD's ``D x``), and returns ``(h,
+    v_new, final, o)``: the walk holds each chunk's state and loads its k and values anyway, so it
+    adds q's tile and three products per step instead of a launch that reads the states back
+    (sequential walk only, ``walk_can_form_output``; elsewhere that launch, which takes neither
+    ``u_scale`` nor ``skip``). ``keep_h=False``: h is not needed after the call and is not written
+    (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙ causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)``
+    formed, which the walk then reads instead of forming them (``walk_reads_scores``)."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
-    if q is not None and (gk is not None or u_scale is not None):
-        raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none, and no u_scale")
+    if q is not None and gk is not None:
+        raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none")
     if scores is not None and q is None:
         raise ValueError("state_fwd: scores are read by the walk that forms the output (pass q)")
-    two_level = _two_level("state_fwd", w, plan, gk, heads=u.shape[2])
-    if q is not None and (k.shape[3] > 128 or two_level):
+    if skip is not None and q is None:
+        raise ValueError("state_fwd: skip is a term of the output (pass q)")
+    if q is not None and not walk_can_form_output(k.shape[3], plan, u.shape[2], w=w):
+        if u_scale is not None or skip is not None:
+            raise ValueError("state_fwd: the output with u_scale or skip is formed by the walk only "
+                             "(walk_can_form_output)")
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g, initial_state=initial_state,
                                  output_final_state=output_final_state)
         return h, v_new, ht, output_fwd(q, k, v_new, h, plan, scale=scale, g=g)
+    two_level = _two_level("state_fwd", w, plan, gk, heads=u.shape[2])
     if two_level:
         dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
         h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
@@ -658,12 +675,13 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     o = torch.empty_like(u) if q is not None else None
     state_fwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, scores, o, scale, plan.cu_seqlens, plan.chunk_offsets,
-        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None, USE_G=g is not None,
-        USE_GK=gk is not None, USE_US=u_scale is not None, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, KEPT_S=scores is not None, **cfg)
+        k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, scores, o, skip, scale, plan.cu_seqlens,
+        plan.chunk_offsets, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
+        USE_G=g is not None, USE_GK=gk is not None, USE_US=u_scale is not None, USE_H0=initial_state is not None,
+        STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, KEPT_S=scores is not None,
+        USE_SKIP=skip is not None, **cfg)
     if q is not None:
-        return h, v_new, ht, o
+        return h, (v_new if u_scale is None else None), ht, o
     return h, (v_new if u_scale is None else None), ht
 
 

@@ -22,7 +22,9 @@ one autograd node, ``ChunkSSDFunction``, with the state stages above and the int
 for all 64 heads at 1.3B). Forward: ``CB = C B^T`` once per chunk and group (fp32
 ``[NT, G, 64, 64]``), states by ``state_fwd`` (B read by group, ``tile.qk_rows``), then per head
 ``y = (C ⊙ exp(G)) h + (CB ⊙ causal ⊙ Γ) v + D x`` from the CB tile, the skip added in fp32 before
-the output's one rounding. Backward: ``state_bwd`` for ``dh`` and ``dh0`` alone, then one program
+the output's one rounding; at small states where the walks fill the GPU the state walk forms y
+itself from the states it holds (``walk_forms_ssd_output``), and CB is formed for the backward only.
+Backward: ``state_bwd`` for ``dh`` and ``dh0`` alone, then one program
 per (chunk, group, N block) walks the group's heads and accumulates dC and dB in registers
 (``grouped.output_bwd_dcb``: ``[B, T, G, N]`` written once, no per-head ``[B, T, H, N]`` gradients
 to sum over the group), and one program per (chunk, head) forms the head's full ``dv`` and maps it
@@ -49,9 +51,17 @@ from __future__ import annotations
 import torch
 
 from ttr.kernels.common.cumsum import chunk_local_cumsum
-from ttr.kernels.common.index import chunk_states, keep_states, prepare_chunks, prepare_packing
+from ttr.kernels.common.index import (
+    cdiv,
+    chunk_states,
+    keep_states,
+    prepare_chunks,
+    prepare_packing,
+    sm_count,
+    tuned,
+)
 from ttr.kernels.common.output import output_bwd_dqk, output_bwd_dv, output_fwd
-from ttr.kernels.common.state import state_bwd, state_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd, walk_can_form_output
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.conv import conv_bwd, conv_fwd, rows_in_place, torch_causal_conv1d
 from ttr.kernels.gla.reference import check_gla_inputs
@@ -113,11 +123,31 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
     (``[batch, T, G, N]``: head h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are
     formed once per chunk and group (``grouped.cb_fwd``)."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
+    keep_cb = chunk_states() != "recompute"
+    if walk_forms_ssd_output(B.shape[3], x.shape[3], plan, x.shape[2], x.device):
+        h, _, final, o = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
+                                   output_final_state=output_final_state, q=C, skip=D, keep_h=keep_states(plan))
+        return o, final, gc, h, (grouped.cb_fwd(C, B, plan) if keep_cb else None)
     h, _, final = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                             output_final_state=output_final_state)
     cb = grouped.cb_fwd(C, B, plan)
     o = grouped.output_fwd(C, x, dt, h, cb, gc, plan, D=D)
-    return o, final, gc, (h if keep_states(plan) else None), (None if chunk_states() == "recompute" else cb)
+    return o, final, gc, (h if keep_states(plan) else None), (cb if keep_cb else None)
+
+
+def walk_forms_ssd_output(N: int, P: int, plan, heads: int, device) -> bool:
+    """Whether SSD's forward has its state walk form y (``state_fwd(..., q=C, u_scale=dt, skip=D)``:
+    each step adds ``C h``, ``C B^T`` and the scores' product to the state update) rather than
+    ``grouped.output_fwd`` after it, which reads the states back; ``TUNING["ssd_output"]["walk"]``
+    overrides where the walk can (``state.walk_can_form_output``). By default at states of at most
+    64 rows where the walks (one per sequence, head and 64 values) number at least 1.5 per SM. On an
+    H200 (bf16, 64 heads of P = 64) at N = 64 in 8 groups the forward timed faster so at 8 x 2048,
+    4 x 4096 and 8 x 4096, and slower at 2 x 8192 and 1 x 16384, where fewer and longer walks
+    wait on each step's three extra products; at N = 128 it lost at every length: the walk
+    compiles to 255 registers on 8 warps with a spill, one program per SM (docs/benchmarks.md)."""
+    full = plan.num_seqs * heads * cdiv(P, 64) >= 1.5 * sm_count(device)
+    walk = bool(tuned("ssd_output", walk=N <= 64 and full)["walk"])
+    return walk and walk_can_form_output(N, plan, heads)
 
 
 def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht, plan):

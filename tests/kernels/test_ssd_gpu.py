@@ -45,6 +45,27 @@ def inputs(b, t, h, groups, n_state, p, dtype, n):
     ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
 )
 def test_ssd_vs_float64(shape, dtype):
+    check_vs_float64(shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2048, 16, 8, 64, 64, None), (1, 1000, 4, 1, 32, 32, [0, 1, 500, 1000]), (2, 1024, 8, 2, 96, 96, None),
+     (2, 1024, 4, 1, 128, 64, None), (1, 3000, 8, 1, 16, 130, [0, 1, 64, 1000, 3000])],
+    ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
+)
+def test_ssd_walk_forms_y_vs_float64(monkeypatch, shape, dtype):
+    """y formed by the state walk (``chunk.walk_forms_ssd_output``, on by default only where the
+    walks fill the GPU) at every shape it can take: states up to 128 rows, packed, P over three value
+    blocks."""
+    from ttr.kernels.common import index
+
+    monkeypatch.setitem(index.TUNING, "ssd_output", {"walk": True})
+    check_vs_float64(shape, dtype)
+
+
+def check_vs_float64(shape, dtype):
     b, t, h, groups, n_state, p, cu = shape
     n = b if cu is None else len(cu) - 1
     cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int64)

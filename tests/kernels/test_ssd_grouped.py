@@ -60,6 +60,11 @@ def test_stages_match_the_generic_engine(batch, T, lengths, H, G, N, P, dt_max):
     torch.testing.assert_close(grouped.output_fwd(C, x, dt, h, cb, gc, plan), y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped.output_fwd(C, x, dt, h, cb, gc, plan, D=D), y + D[:, None] * x, rtol=1e-5,
                                atol=1e-5)
+    # the state walk forming y itself (chunk_ssd's forward where it can): the same states and y + D x
+    h_walk, none, _, y_walk = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=h0, q=C, skip=D)
+    assert none is None
+    torch.testing.assert_close(h_walk, h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_walk, y + D[:, None] * x, rtol=1e-5, atol=1e-5)
     dh, _, dv = state_bwd(C, B, do, output_bwd_dv(C, B, do, plan, scale=1.0, g=gc), plan, scale=1.0, g=gc,
                           dht=dht)
     dh_alone, _, none = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht)
@@ -90,12 +95,29 @@ def test_ssd_vs_oracle(triton_backend, t, groups):
     check(chunk_ssd, reference_ssd, inputs, SSD_NAMES, h0)
 
 
-def test_ssd_packed_with_skip(triton_backend):
-    """Three heads per group, documents of length 1 and chunk multiples, D, initial and final states."""
+@pytest.mark.parametrize("walk", [True, False], ids=["walk-forms-y", "output-launch"])
+def test_ssd_packed_with_skip(triton_backend, monkeypatch, walk):
+    """Three heads per group, documents of length 1 and chunk multiples, D, initial and final states;
+    y formed by the state walk and by the output launch after it."""
+    from ttr.kernels.common import index
+
+    monkeypatch.setitem(index.TUNING, "ssd_output", {"walk": walk})
     lengths = [1, 64, 72]
     (x, dt, A, B, C), h0 = ssd_inputs(1, sum(lengths), 6, 2, 20, 24, h0=True, n=len(lengths))
     check(with_d(chunk_ssd), with_d(reference_ssd), (x, dt, A, B, C, torch.randn(6)), [*SSD_NAMES, "dD"], h0,
           cu_of(lengths))
+
+
+def test_walk_output_needs_the_sequential_walk():
+    """The walk forms y only over one key block (N <= 128) and not in the two-level pass; the launch
+    that the engine falls back to there takes neither SSD's scale of the values nor its skip."""
+    (x, dt, A, B, C), _ = ssd_inputs(1, 70, 2, 1, 136, 8)
+    plan = prepare_chunks(None, 1, 70)
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    with pytest.raises(ValueError, match="u_scale or skip"):
+        state_fwd(B, x, plan, g=gc, u_scale=dt, q=C)
+    with pytest.raises(ValueError, match="skip is a term of the output"):
+        state_fwd(B[..., :8], x, plan, g=gc, u_scale=dt, skip=torch.ones(2))
 
 
 def test_ssd_strong_decay_finite(triton_backend):
