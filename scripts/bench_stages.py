@@ -160,11 +160,17 @@ SSD_G8_STAGE_SHAPE = Shape("ssd", 64, 64, 64, groups=8)
 
 def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[str, Callable]:
     """One closure per stage of chunk_ssd's forward and backward at ``shape`` (default
-    ``SSD_STAGE_SHAPE``), on bf16 inputs; the keys of the grouped stages are their tuning names."""
+    ``SSD_STAGE_SHAPE``), on bf16 inputs; the keys of the grouped stages are their tuning names.
+    ``state_fwd_y`` is the walk forming y, ``state_fwd`` the walk alone; the total leaves out the
+    forward the op does not take at this shape (``chunk.walk_forms_ssd_output``) and counts the
+    walk alone once (the op also runs it in the backward where the forward did not keep the
+    states), or not at all where the walk forming y keeps them."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
-    from ttr.kernels.common.index import prepare_chunks
+    from ttr.kernels.common.index import keep_states, prepare_chunks
     from ttr.kernels.common.state import state_bwd, state_fwd
     from ttr.kernels.ssd import grouped
+    from ttr.kernels.ssd.chunk import walk_forms_ssd_output
+    from ttr.scripts.bench_utils import Stages
 
     shape = SSD_STAGE_SHAPE if shape is None else shape
 
@@ -178,15 +184,22 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
     cb = grouped.cb_fwd(C, Bm, plan)
     dh, _, _ = state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc)
     terms = grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan)[2]
-    return {
+    calls = Stages({
         "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
+        "state_fwd_y": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt, q=C, skip=D, keep_h=keep_states(plan)),
         "state_fwd": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt),
         "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
         "ssd_output_fwd": lambda: grouped.output_fwd(C, xs, dt, h, cb, gc, plan, D=D),
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
         "ssd_output_bwd_dcb": lambda: grouped.output_bwd_dcb(C, Bm, xs, dt, h, dh, do, gc, plan),
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
-    }
+    })
+    walk_y = walk_forms_ssd_output(shape.K, shape.V, plan, shape.H, xs.device)
+    off = {"ssd_output_fwd"} if walk_y else {"state_fwd_y"}
+    if walk_y and keep_states(plan):
+        off.add("state_fwd")
+    calls.off_path = frozenset(off)
+    return calls
 
 
 def stage_shapes(name: str) -> list[Shape | None]:

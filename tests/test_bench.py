@@ -292,6 +292,7 @@ def test_bench_rows_and_stages_are_checked_by_name():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
     """Every stage closure that `ttr bench --stages` times runs (tiny shapes, Triton interpreter)."""
+    from ttr.kernels.common import index
     from ttr.kernels.utils import interpreter_active
 
     if not interpreter_active():
@@ -314,6 +315,11 @@ def test_bench_stage_closures_run_under_the_interpreter(monkeypatch):
     assert bench_stages.delta_stage_calls(1, 80, False, torch.device("cpu")).off_path == {
         "wy_fwd_reuse", "state_fwd_again", "output_bwd_dqk"}
     assert bench_stages.delta_stage_calls(1, 80, True, torch.device("cpu")).off_path == {"wy_fwd_reuse"}
+    # SSD's walk forms y at N = 16 on a full grid, so the output launch is off its path
+    shape = bench_stages.SSD_STAGE_SHAPE
+    assert bench_stages.ssd_stage_calls(1, 80, torch.device("cpu"), shape).off_path == {"ssd_output_fwd"}
+    monkeypatch.setitem(index.TUNING, "ssd_output", {"walk": False})
+    assert bench_stages.ssd_stage_calls(1, 80, torch.device("cpu"), shape).off_path == {"state_fwd_y"}
 
 
 def test_stage_total_leaves_out_the_stages_off_the_ops_path(monkeypatch):
