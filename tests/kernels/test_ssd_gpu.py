@@ -52,13 +52,14 @@ def test_ssd_vs_float64(shape, dtype):
 @pytest.mark.parametrize(
     "shape",
     [(2, 2048, 16, 8, 64, 64, None), (1, 1000, 4, 1, 32, 32, [0, 1, 500, 1000]), (2, 1024, 8, 2, 96, 96, None),
-     (2, 1024, 4, 1, 128, 64, None), (1, 3000, 8, 1, 16, 130, [0, 1, 64, 1000, 3000])],
+     (2, 1024, 4, 1, 128, 64, None), (1, 3000, 8, 1, 16, 130, [0, 1, 64, 1000, 3000]),
+     (4, 1024, 64, 8, 64, 64, None)],  # 256 walks: the value blocks of 64 a full grid takes
     ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
 )
 def test_ssd_walk_forms_y_vs_float64(monkeypatch, shape, dtype):
     """y formed by the state walk (``chunk.walk_forms_ssd_output``, on by default only where the
     walks fill the GPU) at every shape it can take: states up to 128 rows, packed, P over three value
-    blocks."""
+    blocks, and the launch of a full grid (value blocks of 64; the smaller grids take narrower ones)."""
     from ttr.kernels.common import index
 
     monkeypatch.setitem(index.TUNING, "ssd_output", {"walk": True})
