@@ -142,7 +142,8 @@ def walk_forms_ssd_output(N: int, P: int, plan, heads: int, device) -> bool:
     overrides where the walk can (``state.walk_can_form_output``). By default at states of at most
     64 rows where the walks (one per sequence, head and 64 values) number at least 1.5 per SM. On an
     H200 (bf16, 64 heads of P = 64) at N = 64 in 8 groups the forward timed faster so at 8 x 2048,
-    4 x 4096 and 8 x 4096, and slower at 2 x 8192 and 1 x 16384, where fewer and longer walks
+    4 x 4096 and 8 x 4096 (at N = 32 and 16 faster or even at 8 x 2048 and 4 x 4096), and slower
+    at 2 x 8192 and 1 x 16384, where fewer and longer walks
     wait on each step's three extra products; at N = 128 it lost at every length: the walk
     compiles to 255 registers on 8 warps with a spill, one program per SM (docs/benchmarks.md)."""
     full = plan.num_seqs * heads * cdiv(P, 64) >= 1.5 * sm_count(device)
