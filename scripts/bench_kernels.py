@@ -30,7 +30,9 @@ Each row gives both sides' fwd+bwd twice: ``do_bench``'s median, which measures 
 launch (so a call whose host time exceeds its kernel time is timed as the host), and the GPU's
 own time (``_gpu_fwd_bwd``: the calls queued behind a GPU sleep), with a ratio for each.
 ``--profile`` prints instead the CUDA kernels of ttr's fwd+bwd per planned row (``torch.profiler``,
-ms per iteration) and the host time of one call.
+ms per iteration) and the host time of one call, then its reference's on the same inputs
+(``--no-reference``: ttr's alone; ``--no-fla``: SDPA's only), so the two can be compared kernel
+by kernel.
 ``--stages`` times each engine stage of ``gated_delta``, ``delta``, ``gla`` or ``simple_gla`` (SSD
 runs simple GLA's kernels) and with ``--sweep`` the launch alternatives of ``SWEEPS``, fastest
 first: a winner becomes the stage's default in ``kernels/common`` (``ttr.scripts.bench_stages``).
@@ -531,8 +533,9 @@ def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all"
     return report()
 
 
-def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
-    """(kernel ms per fwd+bwd, host ms per call, [(kernel name, launches per call, ms per call)])."""
+def _profile_row(fn, row: Row, s: Shape, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
+    """(kernel ms per fwd+bwd, host ms per call, [(kernel name, launches per call, ms per call)]) of
+    ``fn`` (``row.ttr`` or ``row.reference``) on the row's inputs."""
     import time
 
     from torch.profiler import ProfilerActivity
@@ -541,7 +544,7 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
     from ttr.scripts.bench_utils import kernel_times
 
     x, do = _inputs(row, B, T, s, device)
-    step = _fwd_bwd_step(row.ttr, x, do)
+    step = _fwd_bwd_step(fn, x, do)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
         step()
@@ -559,20 +562,34 @@ def _profile_row(row: Row, s: Shape, B: int, T: int, device, iters: int) -> tupl
     return sum(k[2] for k in kernels), host, kernels
 
 
-def profile(todo: list[tuple[Shape, int, int]], device=None, iters: int = 10) -> str:
-    """Per-kernel GPU time (ms per fwd+bwd) and host ms per call of ttr's rows ``todo`` (``plan``), as
-    markdown."""
+def profile(todo: list[tuple[Shape, int, int]], device=None, iters: int = 10, references: str = "none",
+            ssd_reference: str = "fla") -> str:
+    """Per-kernel GPU time (ms per fwd+bwd) and host ms per call of ttr's rows ``todo`` (``plan``) and
+    of each row's reference on the same inputs (``references`` as ``measure`` takes it: "all", "sdpa"
+    or "none"), as markdown. A reference that fails leaves its error in its block's place."""
+    from ttr.scripts.bench_utils import error_text
+
     device = torch.device(device or "cuda")
-    table = rows()
+    table = rows(ssd_reference)
     lines = []
     for s, B, T in todo:
-        total, host, kernels = _profile_row(table[s.op], s, B, T, device, iters)
-        block = [f"{s.op} {s.label()} {B} x {T}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call",
-                 "",
-                 "| kernel | launches per call | ms per call |", "|---|---|---|"]
-        block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
-        print("\n".join(block), flush=True)
-        lines += block
+        row = table[s.op]
+        wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
+        sides = [("ttr", row.ttr)] + ([(row.reference_name, row.reference)] if wanted and row.reference else [])
+        for name, fn in sides:
+            title = f"{s.op} {s.label()} {B} x {T}" + ("" if name == "ttr" else f", {name}")
+            try:
+                total, host, kernels = _profile_row(fn, row, s, B, T, device, iters)
+            except Exception as e:  # a reference that does not run here: its error, ttr's block stands
+                if name == "ttr":
+                    raise
+                block = [f"{title}: {error_text(e)}", ""]
+            else:
+                block = [f"{title}: kernels {total:.3f} ms per fwd+bwd, host {host:.3f} ms per call", "",
+                         "| kernel | launches per call | ms per call |", "|---|---|---|"]
+                block += [f"| {k[:60]} | {n:g} | {ms:.3f} |" for k, n, ms in kernels] + [""]
+            print("\n".join(block), flush=True)
+            lines += block
     return "\n".join(lines)
 
 
@@ -630,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                              "comma-separated STAGES only)")
     parser.add_argument("--sweep-top", type=int, default=5, metavar="N",
                         help="with --sweep: list the N fastest alternatives of each stage (0: all of them)")
-    parser.add_argument("--profile", action="store_true", help="per-kernel GPU time and host time of ttr's rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel GPU time and host time of ttr's rows and of their references "
+                             "(--no-reference: ttr's alone, --no-fla: SDPA's only)")
     args = parser.parse_args(argv)
     allowed = list(STAGE_CALLS) if args.stages else names
     ops, presets = parse_selection(parser, args.ops, args.presets, allowed)
@@ -672,7 +691,10 @@ def main(argv: list[str] | None = None) -> int:
         table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
                                sweep, top=args.sweep_top)
     elif args.profile:
-        table = profile(todo)
+        references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
+        if args.lift_fla_guard and references == "all":
+            lift_fla_guard()
+        table = profile(todo, references=references, ssd_reference=args.ssd_reference)
     else:
         references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None

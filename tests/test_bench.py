@@ -280,6 +280,45 @@ def test_bench_profile_runs_on_cpu(monkeypatch, capsys):
     assert "| kernel | launches per call | ms per call |" in report
 
 
+def test_bench_profile_times_the_reference_on_the_same_inputs(monkeypatch):
+    """`ttr bench --profile` profiles each row's reference after ttr's, on the same inputs; a reference
+    that fails leaves its error line and ttr's block, and `--no-reference` ("none") or `--no-fla`
+    ("sdpa", for an fla reference) leaves it out."""
+    seen = []
+
+    def ttr(**x):
+        seen.append(("ttr", x["a"].shape))
+        return x["a"] * 2
+
+    def ref(**x):
+        seen.append(("ref", x["a"].shape))
+        return x["a"] * 3
+
+    def broken(**x):
+        raise RuntimeError("no kernel for this GPU")
+
+    def make(B, T, s, dtype, device):
+        return {"a": torch.ones(B, T, s.H, s.V)}
+
+    shape = bench_kernels.Shape("ssd", 2, 4, 4)
+    for reference, name in ((ref, "the reference"), (broken, "fla broken")):
+        monkeypatch.setattr(bench_kernels, "rows", lambda *a, r=reference, n=name: {"ssd": bench_kernels.Row(
+            ttr, r, n, make, ttr)})
+        seen.clear()
+        report = bench_kernels.profile([(shape, 2, 8)], device="cpu", iters=1, references="all")
+        heads = [line for line in report.splitlines() if line.startswith("ssd ")]
+        assert heads[0].startswith(f"ssd {shape.label()} 2 x 8: kernels ")
+        if reference is ref:
+            assert heads[1].startswith(f"ssd {shape.label()} 2 x 8, the reference: kernels ")
+            assert {side for side, _ in seen} == {"ttr", "ref"} and len({s for _, s in seen}) == 1
+        else:
+            assert heads[1] == f"ssd {shape.label()} 2 x 8, fla broken: RuntimeError: no kernel for this GPU"
+        for references in ("none", "sdpa"):
+            alone = bench_kernels.profile([(shape, 2, 8)], device="cpu", iters=1, references=references)
+            assert (len([line for line in alone.splitlines() if line.startswith("ssd ")]) ==
+                    (2 if references == "sdpa" and reference is ref else 1))
+
+
 def test_bench_rows_and_stages_are_checked_by_name():
     """Every row of the kernel table is one of the script's own; --stages covers the engine's
     pipelines and SSD's grouped stages."""
