@@ -533,9 +533,9 @@ def run(todo: list[tuple[Shape, int, int]], device=None, references: str = "all"
     return report()
 
 
-def _profile_row(fn, row: Row, s: Shape, B: int, T: int, device, iters: int) -> tuple[float, float, list]:
+def _profile_row(fn, x: dict, do: torch.Tensor, device, iters: int) -> tuple[float, float, list]:
     """(kernel ms per fwd+bwd, host ms per call, [(kernel name, launches per call, ms per call)]) of
-    ``fn`` (``row.ttr`` or ``row.reference``) on the row's inputs."""
+    ``fn`` (a row's ``ttr`` or ``reference``) on inputs ``x`` (``_inputs``) and output gradient ``do``."""
     import time
 
     from torch.profiler import ProfilerActivity
@@ -543,7 +543,6 @@ def _profile_row(fn, row: Row, s: Shape, B: int, T: int, device, iters: int) -> 
 
     from ttr.scripts.bench_utils import kernel_times
 
-    x, do = _inputs(row, B, T, s, device)
     step = _fwd_bwd_step(fn, x, do)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
@@ -576,10 +575,11 @@ def profile(todo: list[tuple[Shape, int, int]], device=None, iters: int = 10, re
         row = table[s.op]
         wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
         sides = [("ttr", row.ttr)] + ([(row.reference_name, row.reference)] if wanted and row.reference else [])
+        x, do = _inputs(row, B, T, s, device)
         for name, fn in sides:
             title = f"{s.op} {s.label()} {B} x {T}" + ("" if name == "ttr" else f", {name}")
             try:
-                total, host, kernels = _profile_row(fn, row, s, B, T, device, iters)
+                total, host, kernels = _profile_row(fn, x, do, device, iters)
             except Exception as e:  # a reference that does not run here: its error, ttr's block stands
                 if name == "ttr":
                     raise
