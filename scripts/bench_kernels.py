@@ -392,6 +392,14 @@ def plan(shape_set: str, ops: list[str] | None, presets: list[str] | None, seqle
     return [(s, max(1, tokens // T), T) for s in shapes for T in seqlens]
 
 
+def _reference_wanted(row: Row, references: str) -> bool:
+    """Whether ``row``'s reference runs under ``references``: "all", "sdpa" (those that are not
+    fla's) or "none"."""
+    if row.reference is None:
+        return False
+    return references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
+
+
 def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all", rounds: int = 1) -> dict:
     """One row: times, peak memory and errors of ttr and its reference (``references``: "all",
     "sdpa" for the SDPA ones only, "none"); a failing reference leaves its cells empty and its error
@@ -403,8 +411,7 @@ def measure(row: Row, s: Shape, B: int, T: int, device, references: str = "all",
     r = {"op": s.op, "shape": s.label(), **asdict(s), "B": B, "T": T, "reference": row.reference_name,
          "errors": {}}
     x, do = _inputs(row, B, T, s, device)
-    wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
-    impls = [("ttr", row.ttr)] + ([("ref", row.reference)] if wanted and row.reference else [])
+    impls = [("ttr", row.ttr)] + ([("ref", row.reference)] if _reference_wanted(row, references) else [])
     outputs, times = {}, {}
 
     from ttr.scripts.bench_utils import error_text
@@ -573,8 +580,8 @@ def profile(todo: list[tuple[Shape, int, int]], device=None, iters: int = 10, re
     lines = []
     for s, B, T in todo:
         row = table[s.op]
-        wanted = references == "all" or (references == "sdpa" and not row.reference_name.startswith("fla"))
-        sides = [("ttr", row.ttr)] + ([(row.reference_name, row.reference)] if wanted and row.reference else [])
+        sides = [("ttr", row.ttr)] + ([(row.reference_name, row.reference)] if _reference_wanted(row, references)
+                                      else [])
         x, do = _inputs(row, B, T, s, device)
         for name, fn in sides:
             title = f"{s.op} {s.label()} {B} x {T}" + ("" if name == "ttr" else f", {name}")
@@ -687,16 +694,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     data = None
+    references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
     if args.stages:
         table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
                                sweep, top=args.sweep_top)
     elif args.profile:
-        references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         if args.lift_fla_guard and references == "all":
             lift_fla_guard()
         table = profile(todo, references=references, ssd_reference=args.ssd_reference)
     else:
-        references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
         lifted = args.lift_fla_guard and references == "all" and lift_fla_guard() is not None
         note = fla_guard_note(lifted) if references == "all" else None
         settings = {"shapes": args.shapes, "tokens": args.tokens, "rounds": args.rounds,
