@@ -36,6 +36,9 @@ by kernel.
 ``--stages`` times each engine stage of ``gated_delta``, ``delta``, ``gla`` or ``simple_gla`` (SSD
 runs simple GLA's kernels) and with ``--sweep`` the launch alternatives of ``SWEEPS``, fastest
 first: a winner becomes the stage's default in ``kernels/common`` (``ttr.scripts.bench_stages``).
+``--chunk-states auto,keep`` times ttr's op of each planned row under each ``TTR_CHUNK_STATES``
+choice in turn, with the memory the forward holds for the backward under each: what keeping the
+states costs and saves (``bench_stages.chunk_states_table``).
 """
 
 from __future__ import annotations
@@ -616,9 +619,25 @@ def parse_selection(parser, ops: str | None, presets: str | None, allowed: list[
     return tuple(chosen)
 
 
+def _chunk_state_choices(parser, args) -> list[str]:
+    """``--chunk-states`` as a list (empty without it); an unknown or repeated choice, or the flag
+    with ``--stages`` or ``--profile``, is a parser error that names it."""
+    from ttr.kernels.common.index import CHUNK_STATES
+
+    if args.chunk_states is None:
+        return []
+    choices = [c.strip().lower() for c in args.chunk_states.split(",")]
+    bad = [c for c in choices if c not in CHUNK_STATES]
+    if bad or len(set(choices)) < len(choices):
+        parser.error(f"--chunk-states: expected distinct choices of {list(CHUNK_STATES)}, got {args.chunk_states!r}")
+    if args.stages or args.profile:
+        parser.error("--chunk-states times the whole op: not with --stages or --profile")
+    return choices
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ttr.scripts.bench_stages import STAGE_CALLS, profile_stages, sweep_stages
-    from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, fla_guard_note, lift_fla_guard
+    from ttr.scripts.bench_stages import STAGE_CALLS, chunk_states_table, profile_stages, sweep_stages
+    from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, environment, fla_guard_note, lift_fla_guard
 
     names = list(rows())
     parser = argparse.ArgumentParser(prog="ttr bench", description=__doc__.split("\n\n")[0])
@@ -654,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                              "comma-separated STAGES only)")
     parser.add_argument("--sweep-top", type=int, default=5, metavar="N",
                         help="with --sweep: list the N fastest alternatives of each stage (0: all of them)")
+    parser.add_argument("--chunk-states", default=None, metavar="CHOICES",
+                        help="time ttr's ops under each TTR_CHUNK_STATES choice (comma-separated, of auto, keep, "
+                             "recompute) in turn on one set of inputs, --rounds times, with the memory each holds "
+                             "for the backward")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel GPU time and host time of ttr's rows and of their references "
                              "(--no-reference: ttr's alone, --no-fla: SDPA's only)")
@@ -671,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.sweep_top < 0:
         parser.error(f"--sweep-top must be 0 (all) or more, got {args.sweep_top}")
+    choices = _chunk_state_choices(parser, args)
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
     if not todo and not args.stages:
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")
@@ -695,7 +719,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data = None
     references = "none" if args.no_reference else "sdpa" if args.no_fla else "all"
-    if args.stages:
+    if choices:
+        table, found = chunk_states_table(todo, choices, device, rounds=args.rounds)
+        data = {"environment": environment(device), "rounds": args.rounds, "chunk_states": found}
+    elif args.stages:
         table = profile_stages(ops or allowed, [(max(1, args.tokens // t), t) for t in seqlens],
                                sweep, top=args.sweep_top)
     elif args.profile:

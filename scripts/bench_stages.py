@@ -370,3 +370,66 @@ def profile_stages(ops: list[str], shapes: list[tuple[int, int]], sweep: set[str
                 label = f"{name} {shape.label() + ' ' if shape else ''}{B}x{T}"
                 out += time_stages(calls, label, alternatives, top=top, aliases=SWEEP_ALIASES)
     return "\n".join(out)
+
+
+def chunk_states_table(todo, choices: list[str], device=None, rounds: int = 3) -> tuple[str, list[dict]]:
+    """``ttr bench --chunk-states``: ttr's op of each row of ``todo`` (``bench_kernels.plan``) under each
+    ``TTR_CHUNK_STATES`` choice, on one set of inputs, the choices timed in turn ``rounds`` times
+    (reversed every other time, so that a drift of the GPU reaches each alike): the GPU time of one
+    fwd+bwd (on a CPU the host clock, which measures nothing), the memory the forward holds for the
+    backward (its output included: what a model holds per layer), the peak of one fwd+bwd above the
+    inputs, and the worst relative difference of the output and gradients from the first choice's."""
+    import statistics
+
+    from ttr.kernels.utils import env_override
+    from ttr.scripts.bench_kernels import (
+        _fwd_bwd_step,
+        _gpu_fwd_bwd,
+        _inputs,
+        _outputs,
+        _peak,
+        max_rel_error,
+        rows,
+    )
+    from ttr.scripts.bench_utils import time_ms
+
+    device = torch.device(device or "cuda")
+    on_gpu = device.type == "cuda"
+    table = rows()
+    lines = [f"ttr's ops under each TTR_CHUNK_STATES choice, bf16, {rounds} rounds in turn "
+             f"({'GPU time' if on_gpu else 'CPU: code paths only, the times measure nothing'})", "",
+             "| op | shape | B x T | TTR_CHUNK_STATES | ms fwd+bwd, each round | median | held for the backward, MiB "
+             "| peak MiB | diff vs first |", "|---|---|---|---|---|---|---|---|---|"]
+    found = []
+    for s, B, T in todo:
+        row = table[s.op]
+        x, do = _inputs(row, B, T, s, device)
+        res = {c: {"op": s.op, "shape": s.label(), "B": B, "T": T, "chunk_states": c, "rounds_ms": []}
+               for c in choices}
+        first = None
+        for c, r in res.items():
+            with env_override("TTR_CHUNK_STATES", c):
+                r["peak_mib"] = _peak(row.ttr, x, do)
+                base = torch.cuda.memory_allocated(device) if on_gpu else 0
+                out = row.ttr(**x)
+                r["held_mib"] = (torch.cuda.memory_allocated(device) - base) / 2**20 if on_gpu else None
+                del out
+                outputs = _outputs(row.ttr, x, do)
+            first = outputs if first is None else first
+            r["diff_vs_first"] = max_rel_error(outputs, first)
+        for i in range(rounds):
+            for c in choices if i % 2 == 0 else choices[::-1]:
+                with env_override("TTR_CHUNK_STATES", c):
+                    step = _fwd_bwd_step(row.ttr, x, do)
+                    res[c]["rounds_ms"].append(_gpu_fwd_bwd(row.ttr, x, do) if on_gpu else
+                                               time_ms(step, reps=1, warmup=0, device=device))
+        for c, r in res.items():
+            r["ms"] = statistics.median(r["rounds_ms"])
+            cells = [" / ".join(f"{t:.3f}" for t in r["rounds_ms"]), f"{r['ms']:.3f}"]
+            cells += ["" if r[key] is None else f"{r[key]:.0f}" for key in ("held_mib", "peak_mib")]
+            lines.append(f"| {s.op} | {s.label()} | {B} x {T} | {c} | " + " | ".join(cells)
+                         + f" | {r['diff_vs_first']:.1e} |")
+            print(lines[-1], flush=True)
+            found.append(r)
+        del x, do
+    return "\n".join(lines), found

@@ -91,7 +91,10 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
              (["--stages", "--ops", "ssd", "--sweep", "wy_fwd"], "--sweep: unknown stages ['wy_fwd']"),
              (["--stages", "--ops", "ssd", "--sweep", "--sweep-top", "-1"], "--sweep-top must be 0"),
              (["--stages", "--ops", "gla", "--device", "cpu"], "--stages times CUDA kernels"),
-             (["--profile", "--device", "cpu"], "--profile times CUDA kernels")]
+             (["--profile", "--device", "cpu"], "--profile times CUDA kernels"),
+             (["--chunk-states", "auto,kept"], "--chunk-states: expected distinct choices"),
+             (["--chunk-states", "keep,keep"], "--chunk-states: expected distinct choices"),
+             (["--chunk-states", "auto,keep", "--stages", "--ops", "ssd"], "not with --stages or --profile")]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             bench_kernels.main(argv)
@@ -317,6 +320,37 @@ def test_bench_profile_times_the_reference_on_the_same_inputs(monkeypatch):
             alone = bench_kernels.profile([(shape, 2, 8)], device="cpu", iters=1, references=references)
             assert (len([line for line in alone.splitlines() if line.startswith("ssd ")]) ==
                     (2 if references == "sdpa" and reference is ref else 1))
+
+
+def test_bench_chunk_states_times_each_choice_in_turn_on_one_set_of_inputs(monkeypatch, tmp_path):
+    """`ttr bench --chunk-states auto,keep` runs ttr's op under each TTR_CHUNK_STATES choice on the
+    same inputs, the choices in turn and reversed every other round, TTR_CHUNK_STATES restored after;
+    each choice's row has every round, and its output's difference from the first choice's."""
+    calls = []
+
+    def ttr(**x):
+        calls.append((os.environ.get("TTR_CHUNK_STATES"), id(x["a"])))
+        return x["a"] * (3 if os.environ.get("TTR_CHUNK_STATES") == "recompute" else 2)
+
+    def make(B, T, s, dtype, device):
+        return {"a": torch.ones(B, T, s.H, s.V)}
+
+    monkeypatch.setattr(bench_kernels, "rows", lambda *a: {"ssd": bench_kernels.Row(ttr, None, "none", make, ttr)})
+    monkeypatch.setenv("TTR_CHUNK_STATES", "auto")
+    shape = bench_kernels.Shape("ssd", 2, 4, 4)
+    table, found = bench_stages.chunk_states_table([(shape, 2, 8)], ["keep", "recompute"], "cpu", rounds=2)
+    assert os.environ["TTR_CHUNK_STATES"] == "auto"
+    assert len({a for _, a in calls}) == 1
+    timed = [c for c, _ in calls[-4:]]
+    assert timed == ["keep", "recompute", "recompute", "keep"]
+    assert [(r["chunk_states"], len(r["rounds_ms"])) for r in found] == [("keep", 2), ("recompute", 2)]
+    assert found[0]["diff_vs_first"] == 0 and found[1]["diff_vs_first"] == pytest.approx(0.5)
+    assert "| ssd | H=2 P=4 N=4 G=None | 2 x 8 | keep |" in table
+    out = tmp_path / "cs.json"
+    assert bench_kernels.main(["--chunk-states", "keep,recompute", "--device", "cpu", "--ops", "ssd", "--seqlens",
+                               "8", "--tokens", "16", "--shapes", "uniform", "--rounds", "1", "--json",
+                               str(out)]) == 0
+    assert [r["chunk_states"] for r in json.loads(out.read_text())["chunk_states"]] == ["keep", "recompute"]
 
 
 def test_bench_rows_and_stages_are_checked_by_name():
