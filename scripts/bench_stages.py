@@ -420,9 +420,8 @@ def chunk_states_table(todo, choices: list[str], device=None, rounds: int = 3) -
         for i in range(rounds):
             for c in choices if i % 2 == 0 else choices[::-1]:
                 with env_override("TTR_CHUNK_STATES", c):
-                    step = _fwd_bwd_step(row.ttr, x, do)
                     res[c]["rounds_ms"].append(_gpu_fwd_bwd(row.ttr, x, do) if on_gpu else
-                                               time_ms(step, reps=1, warmup=0, device=device))
+                                               time_ms(_fwd_bwd_step(row.ttr, x, do), reps=1, warmup=0, device=device))
         for c, r in res.items():
             r["ms"] = statistics.median(r["rounds_ms"])
             cells = [" / ".join(f"{t:.3f}" for t in r["rounds_ms"]), f"{r['ms']:.3f}"]
