@@ -23,7 +23,8 @@ for all 64 heads at 1.3B). Forward: ``CB = C B^T`` once per chunk and group (fp3
 ``[NT, G, 64, 64]``), states by ``state_fwd`` (B read by group, ``tile.qk_rows``), then per head
 ``y = (C ⊙ exp(G)) h + (CB ⊙ causal ⊙ Γ) v + D x`` from the CB tile, the skip added in fp32 before
 the output's one rounding; at small states where the walks fill the GPU the state walk forms y
-itself from the states it holds (``walk_forms_ssd_output``), and CB is formed for the backward only.
+itself from the states it holds (``walk_forms_ssd_output``), and reads no CB: the backward forms it
+(a forward that formed it only to keep it would hold memory and save the fwd+bwd no time).
 Backward: ``state_bwd`` for ``dh`` and ``dh0`` alone, then one program
 per (chunk, group, N block) walks the group's heads and accumulates dC and dB in registers
 (``grouped.output_bwd_dcb``: ``[B, T, G, N]`` written once, no per-head ``[B, T, H, N]`` gradients
@@ -38,8 +39,9 @@ autograd node per op.
 
 Memory: the backward keeps x, B, C, dt and the cumulative gate (fp32 like dt: 1/32 of x at P = 64
 in bf16), and CB (fp32, ``G * 64`` values a token: 1/32 of x's bytes at one group of 64 heads of 64
-in bf16, a quarter at 8 groups), which saves the backward a launch of the ``64 x 64 x N`` product per
-chunk and group; ``TTR_CHUNK_STATES=recompute`` forms it again instead, as it does the delta rules'
+in bf16, a quarter at 8 groups) where the output stage formed it, which saves the backward a launch
+of the ``64 x 64 x N`` product per chunk and group; ``TTR_CHUNK_STATES=recompute`` forms it again
+instead, as it does the delta rules'
 kept tensors, since a layer's kept tensors, summed over every layer, bound the batch a GPU can
 train. ``chunk_conv_ssd`` (``ChunkConvSSDFunction``) also takes
 Mamba2's short conv in: it keeps the conv's input, which the layer keeps anyway (a slice of its
@@ -121,18 +123,19 @@ def _ssd_forward(x, dt, A, B, C, D, initial_state, output_final_state, plan):
     ``y = SSD + D x``, with ``gc`` the chunk-local cumulative gate (fp32 ``[batch, T, H]``, dt's size,
     which the backward keeps rather than summing again). The stages read B and C by group
     (``[batch, T, G, N]``: head h uses group ``h // (H / G)``); the intra-chunk scores ``C B^T`` are
-    formed once per chunk and group (``grouped.cb_fwd``)."""
+    formed once per chunk and group (``grouped.cb_fwd``) for the output stage, and kept (unless
+    ``TTR_CHUNK_STATES=recompute``); where the state walk forms y, the backward forms them."""
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    keep_cb = chunk_states() != "recompute"
     if walk_forms_ssd_output(B.shape[3], x.shape[3], plan, x.shape[2], x.device):
+        # the walk forms y without CB, so the backward forms it: the same one launch per fwd+bwd
         h, _, final, o = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                                    output_final_state=output_final_state, q=C, skip=D, keep_h=keep_states(plan))
-        return o, final, gc, h, (grouped.cb_fwd(C, B, plan) if keep_cb else None)
+        return o, final, gc, h, None
     h, _, final = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state,
                             output_final_state=output_final_state)
     cb = grouped.cb_fwd(C, B, plan)
     o = grouped.output_fwd(C, x, dt, h, cb, gc, plan, D=D)
-    return o, final, gc, (h if keep_states(plan) else None), (cb if keep_cb else None)
+    return o, final, gc, (h if keep_states(plan) else None), (cb if chunk_states() != "recompute" else None)
 
 
 def walk_forms_ssd_output(N: int, P: int, plan, heads: int, device) -> bool:

@@ -132,21 +132,28 @@ def saved_bytes(fn, *args, **kw):
 
 
 @pytest.mark.parametrize("states", ["auto", "recompute"])
-def test_what_the_backward_keeps(monkeypatch, states):
+@pytest.mark.parametrize("walk", [False, True], ids=["output_launch", "walk_forms_y"])
+def test_what_the_backward_keeps(monkeypatch, states, walk):
     """chunk_ssd keeps x, B, C (its contiguous copies of strided views), dt and the cumulative gate
     (fp32, dt's size), not ``x dt``; chunk_conv_ssd keeps what it got (xBC read in place from the
     projection) and the cumulative gate. Both keep the chunks' ``C B^T`` (fp32 ``[NT, G, 64, 64]``)
-    unless ``TTR_CHUNK_STATES=recompute``."""
+    that the output launch read, unless ``TTR_CHUNK_STATES=recompute``; where the state walk forms y
+    it reads none, and the backward forms them (``chunk.walk_forms_ssd_output``)."""
+    from ttr.kernels.common.index import TUNING, prepare_chunks
+    from ttr.kernels.ssd.chunk import walk_forms_ssd_output
+
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("TTR_CHUNK_STATES", states)
+    monkeypatch.setitem(TUNING, "ssd_output", {"walk": walk})
     t, h, groups, n_state, p = 128, 4, 2, 8, 16
+    assert walk_forms_ssd_output(n_state, p, prepare_chunks(None, 1, t), h, torch.device("cpu")) == walk
     width = h * p + 2 * groups * n_state
     proj = torch.randn(1, t, 10 + width, requires_grad=True)
     (_, _, _, dt, A, D), _ = conv_inputs(t, h, groups, n_state, p)
     weight, bias = torch.randn(width, 4, requires_grad=True), torch.randn(width, requires_grad=True)
     dt, A, D = (z.requires_grad_() for z in (dt, A, D))
     xbc = proj[..., 10:]
-    gate = dt.numel() * 4 + (0 if states == "recompute" else 2 * groups * 64 * 64 * 4)  # 2 chunks
+    gate = dt.numel() * 4 + (0 if states == "recompute" or walk else 2 * groups * 64 * 64 * 4)  # 2 chunks
     assert saved_bytes(chunk_conv_ssd, xbc, weight, bias, dt, A, D=D, groups=groups, state_size=n_state) == gate
     x, B, C = (z.detach().requires_grad_() for z in xbc_views(xbc, h, groups, n_state))
     copies = (x.numel() + B.numel() + C.numel()) * 4

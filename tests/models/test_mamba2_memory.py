@@ -26,9 +26,16 @@ def mamba2_layer(groups: int):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_layer_keeps_projection_and_y(monkeypatch, groups):
+@pytest.mark.parametrize("walk", [False, True], ids=["output_launch", "walk_forms_y"])
+def test_layer_keeps_projection_and_y(monkeypatch, groups, walk):
+    """The layer keeps per token what the module docstring lists, and SSD's chunks' ``C B^T`` where
+    its output launch read them (as at Mamba2-1.3B's state size); where the state walk forms y it
+    reads none, and the backward forms them."""
+    from ttr.kernels.common.index import TUNING
+
     require_interpreter()
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    monkeypatch.setitem(TUNING, "ssd_output", {"walk": walk})
     layer = mamba2_layer(groups)
     d, h = layer.config.hidden_size, layer.num_heads
     proj = layer.in_proj.out_features  # z, xBC, dt
@@ -39,8 +46,8 @@ def test_layer_keeps_projection_and_y(monkeypatch, groups):
 
     per_token = sum(b for b, _ in saved_per_site(run, layer.parameters(), 64).values())
     # fp32: x, in_proj's output, y, softplus's input, dt, SSD's cumulative gate, rstd per group, and
-    # SSD's C B^T (64 per token and group)
-    want = 4 * (d + proj + layer.d_inner + 3 * h + groups + 64 * groups)
+    # SSD's C B^T (64 per token and group) where the output launch read it
+    want = 4 * (d + proj + layer.d_inner + 3 * h + groups + (0 if walk else 64 * groups))
     assert per_token == want
 
 
