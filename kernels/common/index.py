@@ -194,11 +194,11 @@ def segments(cu_seqlens, batch: int, seqlen: int) -> list[tuple[int, int, int]]:
 # input dtype: V/64 times the size of k) and what else the mixer's backward would recompute.
 # Shorter sequences (training batches of packed documents) recompute h; the delta rules still keep
 # w and v_new (the size of k and v), with which the backward's walk needs neither the WY stage nor
-# the ``w h`` product (``delta/chunk.py``), SSD keeps its chunks' ``C B^T`` (``ssd/chunk.py``), and
-# GLA keeps h at any length (``gla/chunk.py``): at its K = V / 2, h is twice the size of k, and the
-# time it saves per byte kept, about half what the delta rules' w and v_new save, is more than
-# Gated DeltaNet's or SSD's h would save, which are left to ``keep`` (``ttr bench --chunk-states``
-# measures each; docs/benchmarks.md).
+# the ``w h`` product (``delta/chunk.py``), SSD keeps its chunks' ``C B^T`` where its output launch
+# read them (``ssd/chunk.py``), and GLA keeps h at any length (``gla/chunk.py``): at its K = V / 2,
+# h is twice the size of k, and the time it saves per byte kept, about half what the delta rules'
+# w and v_new save, is more than Gated DeltaNet's or SSD's h would save, which are left to ``keep``
+# (``ttr bench --chunk-states`` measures each; docs/benchmarks.md).
 # ``TTR_CHUNK_STATES=keep`` / ``recompute`` overrides the rule for every op (``recompute``: nothing
 # kept, the least memory): a run-time choice of memory against time, like the backend, never stored
 # in a model.
