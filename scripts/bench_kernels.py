@@ -619,25 +619,15 @@ def parse_selection(parser, ops: str | None, presets: str | None, allowed: list[
     return tuple(chosen)
 
 
-def _chunk_state_choices(parser, args) -> list[str]:
-    """``--chunk-states`` as a list (empty without it); an unknown or repeated choice, or the flag
-    with ``--stages`` or ``--profile``, is a parser error that names it."""
-    from ttr.kernels.common.index import CHUNK_STATES
-
-    if args.chunk_states is None:
-        return []
-    choices = [c.strip().lower() for c in args.chunk_states.split(",")]
-    bad = [c for c in choices if c not in CHUNK_STATES]
-    if bad or len(set(choices)) < len(choices):
-        parser.error(f"--chunk-states: expected distinct choices of {list(CHUNK_STATES)}, got {args.chunk_states!r}")
-    if args.stages or args.profile:
-        parser.error("--chunk-states times the whole op: not with --stages or --profile")
-    return choices
-
-
 def main(argv: list[str] | None = None) -> int:
     from ttr.scripts.bench_stages import STAGE_CALLS, chunk_states_table, profile_stages, sweep_stages
-    from ttr.scripts.bench_utils import LIFT_FLA_GUARD_HELP, environment, fla_guard_note, lift_fla_guard
+    from ttr.scripts.bench_utils import (
+        LIFT_FLA_GUARD_HELP,
+        chunk_state_choices,
+        environment,
+        fla_guard_note,
+        lift_fla_guard,
+    )
 
     names = list(rows())
     parser = argparse.ArgumentParser(prog="ttr bench", description=__doc__.split("\n\n")[0])
@@ -694,7 +684,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.sweep_top < 0:
         parser.error(f"--sweep-top must be 0 (all) or more, got {args.sweep_top}")
-    choices = _chunk_state_choices(parser, args)
+    choices = chunk_state_choices(parser, args.chunk_states)
+    if choices and (args.stages or args.profile):
+        parser.error("--chunk-states times the whole op: not with --stages or --profile")
     todo = plan(args.shapes, ops, presets, seqlens, args.tokens)
     if not todo and not args.stages:
         parser.error(f"--ops {args.ops}: no preset runs them (--shapes uniform runs every op)")

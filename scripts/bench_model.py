@@ -72,6 +72,7 @@ import torch
 from ttr.scripts.bench_utils import (
     LIFT_FLA_GUARD_HELP,
     Deadline,
+    chunk_state_choices,
     describe_environment,
     environment,
     error_text,
@@ -622,12 +623,7 @@ def parse_args(argv: list[str] | None):
     bad = [p for p in args.preset_list if p not in list_presets()]
     if bad:
         parser.error(f"--presets: unknown {bad}; expected some of {list_presets()}")
-    from ttr.kernels.common.index import CHUNK_STATES
-
-    args.chunk_state_list = [c.strip().lower() for c in args.chunk_states.split(",")] if args.chunk_states else []
-    bad = [c for c in args.chunk_state_list if c not in CHUNK_STATES]
-    if bad:
-        parser.error(f"--chunk-states: unknown {bad}; expected some of {list(CHUNK_STATES)}")
+    args.chunk_state_list = chunk_state_choices(parser, args.chunk_states)
     try:
         args.tuning_list = tuning_alternatives(args.tuning) if args.tuning is not None else []
     except ValueError as e:

@@ -221,6 +221,20 @@ class Stages(dict):
     off_path: frozenset = frozenset()
 
 
+def chunk_state_choices(parser, value: str | None) -> list[str]:
+    """``--chunk-states`` (comma-separated ``TTR_CHUNK_STATES`` values) as a list, empty for None; an
+    unknown or repeated choice is a parser error that names the flag."""
+    from ttr.kernels.common.index import CHUNK_STATES
+
+    choices = [c.strip().lower() for c in value.split(",")] if value else []
+    bad = [c for c in choices if c not in CHUNK_STATES]
+    if bad:
+        parser.error(f"--chunk-states: unknown {bad}; expected some of {list(CHUNK_STATES)}")
+    if len(set(choices)) < len(choices):
+        parser.error(f"--chunk-states: a choice given twice in {value!r}")
+    return choices
+
+
 def launch_overrides(alt) -> dict:
     """``alt`` (parsed JSON) checked as ``index.TUNING``'s form: an object of stage name -> object
     of launch parameters (``{}``: the built-in defaults). ValueError names what is wrong."""

@@ -92,8 +92,8 @@ def test_bench_kernels_arguments_are_checked_by_name(capsys):
              (["--stages", "--ops", "ssd", "--sweep", "--sweep-top", "-1"], "--sweep-top must be 0"),
              (["--stages", "--ops", "gla", "--device", "cpu"], "--stages times CUDA kernels"),
              (["--profile", "--device", "cpu"], "--profile times CUDA kernels"),
-             (["--chunk-states", "auto,kept"], "--chunk-states: expected distinct choices"),
-             (["--chunk-states", "keep,keep"], "--chunk-states: expected distinct choices"),
+             (["--chunk-states", "auto,kept"], "--chunk-states: unknown ['kept']"),
+             (["--chunk-states", "keep,keep"], "--chunk-states: a choice given twice"),
              (["--chunk-states", "auto,keep", "--stages", "--ops", "ssd"], "not with --stages or --profile")]
     for argv, message in cases:
         with pytest.raises(SystemExit):

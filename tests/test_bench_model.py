@@ -87,6 +87,9 @@ def test_bench_model_chunk_states_table(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_model.parse_args(["--device", "cpu", "--chunk-states", "auto,always"])
     assert "--chunk-states: unknown ['always']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--device", "cpu", "--chunk-states", "auto,auto"])
+    assert "--chunk-states: a choice given twice" in capsys.readouterr().err
     # a choice that runs out of memory is a row; the other choices still run
     def oom_when_kept(*a, **k):
         if os.environ["TTR_CHUNK_STATES"] == "keep":
