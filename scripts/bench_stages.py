@@ -107,7 +107,17 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     """One closure per stage of chunk_gla's forward and backward, on bf16 inputs."""
     from ttr.kernels.common import intra_vector_gate as vg
     from ttr.kernels.common.cumsum import chunk_local_cumsum
-    from ttr.kernels.common.state import state_bwd, state_fwd
+    from ttr.kernels.common.index import keep_states
+    from ttr.kernels.common.state import state_bwd, state_fwd, walk_can_form_output, walk_forms_output
+    from ttr.kernels.gla.chunk import GLA_KEEP_STATES_MIN_CHUNKS
+
+    def forward_walk():
+        # as the op runs it: the walk forms the output, or ``vector_gate_output`` reads its states
+        # after it (``TUNING["state_fwd"]["output"]`` chooses; the two-level pass takes the launch)
+        if walk_can_form_output(k.shape[3], plan, k.shape[2], gk=gk) and walk_forms_output(True, scores=True):
+            return state_fwd(k, v, plan, gk=gk, q=q, scale=scale, scores=A,
+                             keep_h=keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS))[3]
+        return vg.vector_gate_output(q, v, gk, A, state_fwd(k, v, plan, gk=gk)[0], plan, scale=scale)
 
     x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device, GLA_STAGE_SHAPE)
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
@@ -119,9 +129,8 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     dqi, dki = vg.vector_gate_intra_bwd(q, k, gk, dA, plan)
     return {
         "cumsum": lambda: chunk_local_cumsum(g, plan),
-        "state_fwd": lambda: state_fwd(k, v, plan, gk=gk),
+        "state_fwd": forward_walk,
         "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
-        "vector_gate_output": lambda: vg.vector_gate_output(q, v, gk, A, h, plan, scale=scale),
         "vector_gate_dv_dA": lambda: vg.vector_gate_dv_dA(A, v, do, plan, scale=scale),
         "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
@@ -251,7 +260,8 @@ DELTA_SWEEP = {
 # inverse, the gated delta rule's output and intra-chunk dv launches beside its walks); the stage line
 # and its total list each call once.
 SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb",
-                 "wy_inverse": "wy_fwd", "output_fwd": "state_fwd", "output_bwd_dv": "state_bwd"}
+                 "wy_inverse": "wy_fwd", "output_fwd": "state_fwd", "output_bwd_dv": "state_bwd",
+                 "vector_gate_output": "state_fwd"}
 
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
@@ -286,8 +296,11 @@ SWEEPS = {
         + [dict(maxnreg=168, num_stages=ns) for ns in (1, 2)],
         "vector_gate_output": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk in (32, 64) for bv in (64, 128)
                                for nw in (4, 8) for ns in (1, 2, 3)],
-        # the sequential state pass (two_level=False) against the two-level one's tiles
-        "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"],
+        # the sequential state pass (two_level=False) against the two-level one's tiles; the walk
+        # forming the output or the output launch after it (``state.walk_forms_output``)
+        "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"]
+        + [dict(output=o, BV=bv, num_warps=nw, num_stages=ns) for o in (True, False) for bv in (32, 64)
+           for nw in (4, 8) for ns in (2, 3)],
         "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"],
         "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],

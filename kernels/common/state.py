@@ -100,9 +100,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
     # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
     # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
     # q, k and v_new tiles; KEPT_S: it reads the chunk's scores ``q k^T ⊙ causal ⊙ Γ`` from ``s``
-    # (``wy.wy_fwd``'s) instead of forming them; USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``,
-    # of the unscaled values), in fp32 before its one rounding; STORE_H off: the states are not
-    # written (nothing reads them).
+    # (``wy.wy_fwd``'s) instead of forming them; with a per-key gate (USE_GK, KEPT_S) o is
+    # ``intra_vector_gate.vector_gate_output``'s, ``scale (q ⊙ exp(gk)) h + s v`` with s GLA's scaled
+    # scores; USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``, of the unscaled values), in fp32
+    # before its one rounding; STORE_H off: the states are not written (nothing reads them).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -134,10 +135,20 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             b_v *= tl.load(us + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)[:, None]
         if SPLIT:
             b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+        if USE_GK:
+            # the decayed keys and the decay before the output's products: its q ⊙ exp(gk) takes the
+            # gate's tile from here
+            b_kd, b_dec, b_gkT = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            if SPLIT:
+                b_kd2, b_dec2, _ = _decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
         if OUTPUT:
             # q h with the state before the chunk (rounded as a stored h would be) and q k^T
             tl.static_assert(not SPLIT, "the walk forms the output at K <= 128 (state_fwd)")
             b_q = _load_half(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
+            if USE_GK:
+                tl.static_assert(KEPT_S, "with a per-key gate the walk reads the kept scores (state_fwd)")
+                # rounded to q's dtype as vector_gate_output rounds it; padded rows are 0 either way
+                b_q = (b_q.to(tl.float32) * fast_exp(tl.trans(b_gkT))).to(b_q.dtype)
             b_o = tl.dot(b_q, b_h.to(b_q.dtype))
             if KEPT_S:
                 b_A = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
@@ -156,7 +167,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             # operands (bit for bit where its launch sums the products in the same order)
             b_v = b_v.to(v_new.dtype.element_ty).to(tl.float32)
         if OUTPUT:
-            b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G, KEPT_S)
+            if USE_GK:
+                b_o = b_o * scale + tl.dot(b_A.to(b_k.dtype), b_v.to(b_k.dtype))
+            else:
+                b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G, KEPT_S)
             if USE_SKIP:
                 # u's tile as loaded (a cache hit) rather than held unscaled beside b_v
                 b_o += tl.load(skip + i_h) * _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
@@ -170,10 +184,10 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             if SPLIT:
                 b_h2 *= fast_exp(b_gl)
         if USE_GK:
-            b_k, b_dec, _ = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            b_k = b_kd
             b_h *= b_dec[:, None]
             if SPLIT:
-                b_k2, b_dec2, _ = _decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
+                b_k2 = b_kd2
                 b_h2 *= b_dec2[:, None]
         b_h += tl.dot(b_k, b_v.to(b_k.dtype))
         if SPLIT:
@@ -401,7 +415,7 @@ def _walk(w, gk) -> str:
 
 
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool,
-                  walk: str, gate: bool = False):
+                  walk: str, gate: bool = False, output: bool = False):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
@@ -412,7 +426,11 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     on an H200, bf16, 8 warps timed faster for SSD's forward (K = 128, V = 64, H = 64) and GLA's
     (K = V = 128, H = 16, two stages); with ``w`` 4 warps stay faster (Gated DeltaNet), and at
     GLA-1.3B's K = 64 too. The vector gate's forward on 8 warps runs 2 stages, which timed faster
-    than 3 (docs/benchmarks.md, launch alternatives and launch choices).
+    than 3 (docs/benchmarks.md, launch alternatives and launch choices). The vector gate's walk that
+    forms the output (``output``) loads q's and the scores' tiles too, 48 KB a stage at GLA-1.3B's
+    K = V / 2 = 64 with BV = 64: on 2 stages two programs share an SM, on 3 one. So it runs 2 where
+    the grid needs two programs per SM: on an H200 (bf16, 16 heads) 2 stages timed faster at 8 x 2048
+    and 8 x 4096 (256 programs), 3 at 4 x 4096 (128).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -457,18 +475,19 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    if not backward and walk == "vector" and num_warps == 8:
+    if not backward and walk == "vector" and (num_warps == 8 or output and programs_per_vblock * cdiv(V, BV) > sms):
         num_stages = min(num_stages, 2)
     cap = {"maxnreg": 168} if backward and walk == "scalar" else {}
     return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
 
 
-def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool):
+def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool,
+                 output: bool = False):
     """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd" / "state_bwd"):
     ``_state_blocks``' heuristic, with ``TUNING[stage]`` over it and the one wrong launch refused
     (``_checked``), except for the split state's single launch."""
     BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
-                                   stage == "state_bwd", walk, gate)
+                                   stage == "state_bwd", walk, gate, output)
     return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))
 
 
@@ -544,17 +563,19 @@ def walk_reads_scores(gated: bool, walks: int, K: int, V: int, device) -> bool:
     return K <= 128 and bool(tuned("state_fwd", scores=gated and full)["scores"])
 
 
-def walk_can_form_output(K: int, plan: ChunkPlan, heads: int, *, w: torch.Tensor | None = None) -> bool:
+def walk_can_form_output(K: int, plan: ChunkPlan, heads: int, *, w: torch.Tensor | None = None,
+                         gk: torch.Tensor | None = None) -> bool:
     """Whether ``state_fwd(..., q=)`` forms the output in its walk: a sequential walk (not the
-    two-level pass, ``_two_level``) over one key block (K <= 128)."""
-    return K <= 128 and not _two_level("state_fwd", w, plan, None, heads=heads)
+    two-level pass, ``_two_level``, which a per-key gate ``gk`` takes on long sequences) over one key
+    block (K <= 128)."""
+    return K <= 128 and not _two_level("state_fwd", w, plan, gk, heads=heads)
 
 
 def walk_forms_output(gated: bool, scores: bool = False) -> bool:
-    """Whether the delta rules' forward has the state walk form the output (``state_fwd(..., q=q)``)
-    rather than launching ``output.output_fwd`` after it; ``TUNING["state_fwd"]["output"]``
-    overrides. By default without a gate, and with one where the walk reads the kept scores
-    (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
+    """Whether the forward has the state walk form the output (``state_fwd(..., q=q)``) rather than
+    launching ``output.output_fwd`` (GLA: ``intra_vector_gate.vector_gate_output``, whose walk always
+    reads its kept scores) after it; ``TUNING["state_fwd"]["output"]`` overrides. By default without
+    a gate, and with one where the walk reads the kept scores (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
     16384) DeltaNet's walk forming the output timed faster than its walk and the output launch (254
     registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's forming its scores itself
     slower: the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on
@@ -643,16 +664,23 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     (sequential walk only, ``walk_can_form_output``; elsewhere that launch, which takes neither
     ``u_scale`` nor ``skip``). ``keep_h=False``: h is not needed after the call and is not written
     (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙ causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)``
-    formed, which the walk then reads instead of forming them (``walk_reads_scores``)."""
+    formed, which the walk then reads instead of forming them (``walk_reads_scores``). With a per-key
+    gate ``gk`` (GLA) ``q`` takes ``scores``, the scaled ``A`` of
+    ``intra_vector_gate.vector_gate_scores``, and o is ``vector_gate_output(q, u, gk, A, h, plan,
+    scale=scale)``, formed by the walk only (``walk_can_form_output(..., gk=gk)``)."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
-    if q is not None and gk is not None:
-        raise ValueError("state_fwd: q (the output formed in the walk) takes a scalar gate or none")
+    if q is not None and gk is not None and scores is None:
+        raise ValueError("state_fwd: q with a per-key gate gk needs the kept scores (pass scores: "
+                         "vector_gate_scores's A)")
     if scores is not None and q is None:
         raise ValueError("state_fwd: scores are read by the walk that forms the output (pass q)")
     if skip is not None and q is None:
         raise ValueError("state_fwd: skip is a term of the output (pass q)")
-    if q is not None and not walk_can_form_output(k.shape[3], plan, u.shape[2], w=w):
+    if q is not None and not walk_can_form_output(k.shape[3], plan, u.shape[2], w=w, gk=gk):
+        if gk is not None:
+            raise ValueError("state_fwd: the output with a per-key gate is formed by the walk only "
+                             "(walk_can_form_output)")
         if u_scale is not None or skip is not None:
             raise ValueError("state_fwd: the output with u_scale or skip is formed by the walk only "
                              "(walk_can_form_output)")
@@ -668,7 +696,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk), g is not None)
+    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk), g is not None, q is not None)
     store_h = keep_h or q is None
     h = k.new_empty(plan.num_chunks, H, K, V) if store_h else None
     v_new = torch.empty_like(u) if w is not None else u

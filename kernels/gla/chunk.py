@@ -1,11 +1,12 @@
 """Chunkwise GLA in Triton: the engine's stages composed (``ttr.kernels.common``).
 
-Forward (chunk size 64): ``G = chunk_local_cumsum(g)``; states ``h`` by ``state.state_fwd`` with
-the per-key gate ``gk = G`` (sequential walk, or the two-level pass for long sequences); intra-chunk
-scores ``A`` by ``intra_vector_gate.vector_gate_scores`` (sub-chunks of 16 with a reference point
-at a sub-chunk boundary; the diagonal 16 x 16 blocks as one product when the gate's span inside the
-sub-chunk keeps every factor below e^60, else token by token: see that module);
-``o = scale (q ⊙ exp(G)) h + A v``.
+Forward (chunk size 64): ``G = chunk_local_cumsum(g)``; intra-chunk scores ``A`` by
+``intra_vector_gate.vector_gate_scores`` (sub-chunks of 16 with a reference point at a sub-chunk
+boundary; the diagonal 16 x 16 blocks as one product when the gate's span inside the sub-chunk keeps
+every factor below e^60, else token by token: see that module); states ``h`` by ``state.state_fwd``
+with the per-key gate ``gk = G`` and ``o = scale (q ⊙ exp(G)) h + A v``: the sequential walk forms o
+from the states it holds and A (``state.walk_forms_output``), the two-level pass of long sequences
+leaves it to ``vector_gate_output``.
 
 Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do) completed by
 ``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
@@ -36,7 +37,7 @@ from ttr.kernels.common.intra_vector_gate import (
     vector_gate_scores,
 )
 from ttr.kernels.common.overlap import kept_or_beside
-from ttr.kernels.common.state import state_bwd, state_fwd
+from ttr.kernels.common.state import state_bwd, state_fwd, walk_can_form_output, walk_forms_output
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs, logit_gate_of
 from ttr.kernels.utils import kernel_backend, on_input_device
@@ -55,13 +56,21 @@ class ChunkGLAFunction(torch.autograd.Function):
         initial_state = None if initial_state is None else initial_state.contiguous()
         plan = prepare_chunks(cu_seqlens, q.shape[0], q.shape[1], device=q.device)
         gk = chunk_local_cumsum(g, plan, logits=gate_logits)
-        h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
-                                output_final_state=output_final_state)
         A = vector_gate_scores(q, k, gk, plan, scale=scale)
-        o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
+        keep = keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS)
+        if walk_can_form_output(q.shape[3], plan, q.shape[2], gk=gk) and walk_forms_output(True, scores=True):
+            # the walk forms o from the states it holds and the kept A: no launch reads the states
+            # back, and none are written where the backward forms them again
+            h, _, final, o = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
+                                       output_final_state=output_final_state, q=q, scale=scale, keep_h=keep,
+                                       scores=A)
+        else:
+            h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+            o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
         # the cumulative gate in place of the raw one (the backward needs only it): the same memory,
         # no second cumsum pass over [B, T, H, K] fp32
-        kept = (h,) if keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS) else ()
+        kept = (h,) if keep else ()
         # with gate_logits the logits (the size of k, in their dtype) for the gate's derivative
         ctx.save_for_backward(q, k, v, gk, A, initial_state, None if gate_logits is None else g, *kept)
         ctx.plan, ctx.scale, ctx.gate_logits, ctx.grads_into = plan, scale, gate_logits, grads_into

@@ -204,6 +204,65 @@ def test_vector_gate_state_pass_fwd_bwd(B, T, cu, K):
     assert rel(dv, x["v"].grad) < 1e-4 and rel(dh0, x["h0"].grad) < 1e-4
 
 
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("K,V", [(20, 24), (64, 40)])
+def test_vector_gate_walk_forms_the_output(monkeypatch, B, T, cu, K, V):
+    """GLA's walk forms ``vector_gate_output``'s o from the states it holds and the kept scores A:
+    the same o, states and final state as the walk and the launch (an initial state, packed
+    sequences, decays of up to e^-300 in a chunk), and no states written with ``keep_h=False``. The
+    output needs A, and the two-level pass (long sequences) leaves it to the launch."""
+    from ttr.kernels.common import intra_vector_gate as vg
+    from ttr.kernels.common import state
+
+    H, scale = 2, 0.5
+    N = B if cu is None else len(cu) - 1
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
+    gk = -5 * torch.rand(B, T, H, K)
+    h0 = torch.randn(N, H, K, V)
+    plan = prepare_chunks(torch.tensor(cu, dtype=torch.int32) if cu else None, B, T)
+    gkc = chunk_local_cumsum(gk, plan)
+    A = vg.vector_gate_scores(q, k, gkc, plan, scale=scale)
+    h, _, ht = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True)
+    o = vg.vector_gate_output(q, v, gkc, A, h, plan, scale=scale)
+    assert state.walk_can_form_output(K, plan, H, gk=gkc)
+    h1, _, ht1, o1 = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True, q=q, scale=scale,
+                               scores=A)
+    for a, b in ((h1, h), (ht1, ht), (o1, o)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    h2, _, _, o2 = state_fwd(k, v, plan, gk=gkc, initial_state=h0, q=q, scale=scale, scores=A, keep_h=False)
+    assert h2 is None
+    torch.testing.assert_close(o2, o, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs the kept scores"):
+        state_fwd(k, v, plan, gk=gkc, q=q)
+    monkeypatch.setattr(state, "_two_level", lambda *a, **kw: True)
+    assert not state.walk_can_form_output(K, plan, H, gk=gkc)
+    with pytest.raises(ValueError, match="formed by the walk only"):
+        state_fwd(k, v, plan, gk=gkc, q=q, scores=A)
+
+
+def test_gla_forms_its_output_in_the_walk_or_a_launch(monkeypatch):
+    """``chunk_gla``'s forward takes the walk that forms o by default and the launch under
+    ``TUNING["state_fwd"]["output"] = False``: the same output and gradients."""
+    from ttr.kernels.common import index, state
+    from ttr.kernels.gla import chunk_gla
+
+    calls = []
+    real = state.state_fwd
+    monkeypatch.setattr("ttr.kernels.gla.chunk.state_fwd", lambda *a, **kw: calls.append("q" in kw) or real(*a, **kw))
+    x = [torch.randn(1, 100, 2, 16), torch.randn(1, 100, 2, 16) * 0.3, torch.randn(1, 100, 2, 24),
+         -torch.rand(1, 100, 2, 16)]
+    outs = []
+    for walk in (True, False):
+        monkeypatch.setitem(index.TUNING, "state_fwd", {"output": walk})
+        leaves = [t.clone().requires_grad_(True) for t in x]
+        o, _ = chunk_gla(*leaves)
+        o.square().sum().backward()
+        outs.append([o.detach(), *(t.grad for t in leaves)])
+    assert calls[0] and not calls[-1]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("K", [20, 136])
 def test_delta_state_pass_with_w(K):
     """The delta-rule state pass (v_new = u - w h) against float64, including the two-half path."""
