@@ -240,12 +240,15 @@ def test_vector_gate_walk_forms_the_output(monkeypatch, B, T, cu, K, V):
         state_fwd(k, v, plan, gk=gkc, q=q, scores=A)
 
 
-def test_gla_forms_its_output_in_the_walk_or_a_launch(monkeypatch):
+@pytest.mark.parametrize("states", ["auto", "recompute"])
+def test_gla_forms_its_output_in_the_walk_or_a_launch(monkeypatch, states):
     """``chunk_gla``'s forward takes the walk that forms o by default and the launch under
-    ``TUNING["state_fwd"]["output"] = False``: the same output and gradients."""
+    ``TUNING["state_fwd"]["output"] = False``: the same output and gradients, also where the walk
+    writes no states (``TTR_CHUNK_STATES=recompute``: the backward forms them again)."""
     from ttr.kernels.common import index, state
     from ttr.kernels.gla import chunk_gla
 
+    monkeypatch.setenv("TTR_CHUNK_STATES", states)
     calls = []
     real = state.state_fwd
     monkeypatch.setattr("ttr.kernels.gla.chunk.state_fwd", lambda *a, **kw: calls.append("q" in kw) or real(*a, **kw))
