@@ -573,15 +573,17 @@ def walk_can_form_output(K: int, plan: ChunkPlan, heads: int, *, w: torch.Tensor
 
 def walk_forms_output(gated: bool, scores: bool = False) -> bool:
     """Whether the forward has the state walk form the output (``state_fwd(..., q=q)``) rather than
-    launching ``output.output_fwd`` (GLA: ``intra_vector_gate.vector_gate_output``, whose walk always
-    reads its kept scores) after it; ``TUNING["state_fwd"]["output"]`` overrides. By default without
-    a gate, and with one where the walk reads the kept scores (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
+    launching ``output.output_fwd`` after it (GLA: ``intra_vector_gate.vector_gate_output``; its
+    walk always reads the kept scores, so it asks with ``scores``); ``TUNING["state_fwd"]["output"]``
+    overrides. By default without a gate, and with one where the walk reads the kept scores
+    (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
     16384) DeltaNet's walk forming the output timed faster than its walk and the output launch (254
     registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's forming its scores itself
     slower: the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on
     8, and no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it
     still lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly double each
-    step's instructions."""
+    step's instructions. GLA's walk reading its A timed faster than its walk and the launch (16
+    heads of K = 64, V = 128 at 8 x 2048, 4 x 4096 and 8 x 4096; docs/benchmarks.md)."""
     return bool(tuned("state_fwd", output=not gated or scores)["output"])
 
 
