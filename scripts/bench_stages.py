@@ -108,7 +108,13 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     from ttr.kernels.common import intra_vector_gate as vg
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states
-    from ttr.kernels.common.state import state_bwd, state_fwd, walk_can_form_output, walk_forms_output
+    from ttr.kernels.common.state import (
+        state_bwd,
+        state_fwd,
+        walk_can_form_output,
+        walk_forms_dv_dA,
+        walk_forms_output,
+    )
     from ttr.kernels.gla.chunk import GLA_KEEP_STATES_MIN_CHUNKS
 
     def forward_walk():
@@ -118,6 +124,13 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
             return state_fwd(k, v, plan, gk=gk, q=q, scale=scale, scores=A,
                              keep_h=keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS))[3]
         return vg.vector_gate_output(q, v, gk, A, state_fwd(k, v, plan, gk=gk)[0], plan, scale=scale)
+
+    def backward_walk():
+        # as the op runs it: the walk forms the intra-chunk dv and dA, or ``vector_gate_dv_dA`` forms
+        # them first (``TUNING["state_bwd"]["intra_dv"]`` chooses; the default by the grid)
+        if walk_forms_dv_dA(k.shape[3], plan, k.shape[2], k.device, gk=gk):
+            return state_bwd(q, k, do, None, plan, scale=scale, gk=gk, intra_dv=True, scores=A, values=v)
+        return state_bwd(q, k, do, vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)[0], plan, scale=scale, gk=gk)
 
     x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device, GLA_STAGE_SHAPE)
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
@@ -131,8 +144,7 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
         "cumsum": lambda: chunk_local_cumsum(g, plan),
         "state_fwd": forward_walk,
         "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
-        "vector_gate_dv_dA": lambda: vg.vector_gate_dv_dA(A, v, do, plan, scale=scale),
-        "state_bwd": lambda: state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk),
+        "state_bwd": backward_walk,
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
         "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan, scale=scale),
     }
@@ -261,7 +273,7 @@ DELTA_SWEEP = {
 # and its total list each call once.
 SWEEP_ALIASES = {"state_fwd_scan": "state_fwd", "state_bwd_scan": "state_bwd", "ssd_scores_grad": "ssd_output_bwd_dcb",
                  "wy_inverse": "wy_fwd", "output_fwd": "state_fwd", "output_bwd_dv": "state_bwd",
-                 "vector_gate_output": "state_fwd"}
+                 "vector_gate_output": "state_fwd", "vector_gate_dv_dA": "state_bwd"}
 
 # Launch alternatives per op and stage (overrides of ``index.TUNING``) that ``--stages --sweep`` times.
 SWEEPS = {
@@ -301,7 +313,9 @@ SWEEPS = {
         "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"]
         + [dict(output=o, BV=bv, num_warps=nw, num_stages=ns) for o in (True, False) for bv in (32, 64)
            for nw in (4, 8) for ns in (2, 3)],
-        "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"],
+        # the walk forming dv and dA over whole value rows or ``vector_gate_dv_dA`` before it
+        "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"]
+        + [dict(intra_dv=dv, num_warps=nw, num_stages=ns) for dv in (True, False) for nw in (4, 8) for ns in (1, 2, 3)],
         "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
         "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32),

@@ -200,14 +200,16 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, chunk_offsets, scale, SDV,
+def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seqlens, chunk_offsets, scale, SDV,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
-                     INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr):
+                     INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr, FORM_DA: tl.constexpr):
     # INTRA_DV: the output's intra-chunk dv, scale (q k^T ⊙ causal ⊙ Γ)^T do, is formed here from the
     # q, k and do tiles the step loads anyway (``output.output_bwd_dv``'s product) instead of read;
-    # KEPT_S: from the kept scores ``q k^T ⊙ causal ⊙ Γ`` in ``s`` (``wy.wy_fwd``'s) and do
+    # KEPT_S: from the kept scores ``q k^T ⊙ causal ⊙ Γ`` in ``s`` (``wy.wy_fwd``'s) and do; with a
+    # per-key gate (USE_GK) s is GLA's scaled A, so dv = A^T do; FORM_DA (one value block over all of
+    # V): also GLA's ``dA = scale tril(do v^T)`` (``intra_vector_gate.vector_gate_dv_dA``'s), fp32
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -244,10 +246,18 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, cu_seqlens, c
             tl.static_assert(not SPLIT, "the walk forms dv at K <= 128 (state_bwd)")
             if KEPT_S:
                 b_S = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
-                b_dv = tl.dot(tl.trans(b_S), b_do) * scale
+                b_dv = tl.dot(tl.trans(b_S), b_do)
+                if not USE_GK:
+                    b_dv *= scale
             else:
                 b_A = tl.dot(tl.trans(b_kT), b_q)
                 b_dv = tl.dot(dv_scores(b_A, g, bos, i_c, T, i_h, scale, H, BT, USE_G).to(b_do.dtype), b_do)
+        if FORM_DA:
+            # off the chain of dh, from the do tile the step loads anyway and the chunk's values
+            tl.static_assert(BV >= V and USE_GK, "dA is formed over whole value rows, with a per-key gate")
+            b_vc = _load_half(v + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)  # [BT, BV]
+            b_dA = tl.where(o_i[:, None] >= o_i[None, :], tl.dot(b_do, tl.trans(b_vc)) * scale, 0.)
+            _store_half(dA + (bos * H + i_h) * BT, b_dA, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
@@ -415,7 +425,7 @@ def _walk(w, gk) -> str:
 
 
 def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, backward: bool,
-                  walk: str, gate: bool = False, output: bool = False):
+                  walk: str, gate: bool = False, forms: bool = False):
     """BK covers K (two halves of 128 beyond 128); BV is the largest block that still gives about
     one program per SM (B*H = 64 -> BV 64, B*H = 16 -> BV 16 on 132 SMs); the
     software-pipelining depth is what the per-chunk tiles (3 of [BT, K], 2 of [BT, BV]) leave room
@@ -427,10 +437,11 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     (K = V = 128, H = 16, two stages); with ``w`` 4 warps stay faster (Gated DeltaNet), and at
     GLA-1.3B's K = 64 too. The vector gate's forward on 8 warps runs 2 stages, which timed faster
     than 3 (docs/benchmarks.md, launch alternatives and launch choices). The vector gate's walk that
-    forms the output (``output``) loads q's and the scores' tiles too, 48 KB a stage at GLA-1.3B's
-    K = V / 2 = 64 with BV = 64: on 2 stages two programs share an SM, on 3 one. So it runs 2 where
-    the grid needs two programs per SM: on an H200 (bf16, 16 heads) 2 stages timed faster at 8 x 2048
-    and 8 x 4096 (256 programs), 3 at 4 x 4096 (128).
+    forms the output (``forms``, forward) loads q's and the scores' tiles too, 48 KB a stage at
+    GLA-1.3B's K = V / 2 = 64 with BV = 64: on 2 stages two programs share an SM, on 3 one. So it runs
+    2 where the grid needs two programs per SM: on an H200 (bf16, 16 heads) 2 stages timed faster at
+    8 x 2048 and 8 x 4096 (256 programs), 3 at 4 x 4096 (128). Its backward walk that forms dv and dA
+    (``forms``, backward) takes whole value rows, on 2 stages.
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -466,7 +477,10 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     if (backward and walk == "delta" and not gate and elem == 2 and KP == 128 and V >= 128
             and programs_per_vblock * cdiv(V, 128) >= 0.9 * sms):
         BV = 128  # 8 warps and 2 stages below
-    while BV > 16 and programs_per_vblock * cdiv(V, BV) < 0.9 * sms:
+    rows = backward and walk == "vector" and forms
+    if rows:
+        BV = next_power_of_2(V)  # GLA's walk forming dA takes whole value rows
+    while not rows and BV > 16 and programs_per_vblock * cdiv(V, BV) < 0.9 * sms:
         BV //= 2
     if split:
         return BK, split, dict(BV=64, num_warps=4, num_stages=1)
@@ -475,19 +489,21 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    if not backward and walk == "vector" and (num_warps == 8 or output and programs_per_vblock * cdiv(V, BV) > sms):
+    if not backward and walk == "vector" and (num_warps == 8 or forms and programs_per_vblock * cdiv(V, BV) > sms):
         num_stages = min(num_stages, 2)
+    if rows:
+        num_stages = min(num_stages, 2)  # A's and v's tiles too: 72 KB a stage at K = 64, V = 128
     cap = {"maxnreg": 168} if backward and walk == "scalar" else {}
     return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
 
 
 def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool,
-                 output: bool = False):
+                 forms: bool = False):
     """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd" / "state_bwd"):
     ``_state_blocks``' heuristic, with ``TUNING[stage]`` over it and the one wrong launch refused
     (``_checked``), except for the split state's single launch."""
     BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
-                                   stage == "state_bwd", walk, gate, output)
+                                   stage == "state_bwd", walk, gate, forms)
     return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))
 
 
@@ -597,6 +613,17 @@ def walk_forms_dv(gated: bool, scores: bool = False) -> bool:
     walk from 236 registers to 255 and a spill stack (72 bytes, 18 local loads per step; Triton 3.6,
     ``kernel_resources``), and on 4 warps over value blocks of 32 it still lost (docs/benchmarks.md)."""
     return bool(tuned("state_bwd", intra_dv=not gated or scores)["intra_dv"])
+
+
+def walk_forms_dv_dA(K: int, plan: ChunkPlan, heads: int, device, *, gk: torch.Tensor) -> bool:
+    """Whether GLA's backward has its state walk form the intra-chunk dv and dA
+    (``state_bwd(..., values=v)``) rather than launching ``intra_vector_gate.vector_gate_dv_dA`` for
+    them first: a sequential walk (not the two-level pass) over one key block, where one program per
+    (sequence, head) over whole value rows fills the GPU; ``TUNING["state_bwd"]["intra_dv"]``
+    overrides the last condition."""
+    walks = K <= 128 and not _two_level("state_bwd", None, plan, gk, heads=heads)
+    full = plan.num_seqs * heads >= 0.9 * sm_count(device)
+    return walks and bool(tuned("state_bwd", intra_dv=full)["intra_dv"])
 
 
 def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
@@ -718,7 +745,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
 def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tensor | None, plan: ChunkPlan, *,
               scale: float, w: torch.Tensor | None = None, g: torch.Tensor | None = None,
               gk: torch.Tensor | None = None, dht: torch.Tensor | None = None, need_dh0: bool = False,
-              intra_dv: bool = False, scores: torch.Tensor | None = None, dv_out: torch.Tensor | None = None):
+              intra_dv: bool = False, scores: torch.Tensor | None = None, dv_out: torch.Tensor | None = None,
+              values: torch.Tensor | None = None):
     """Returns ``(dh [NT,H,K,V] in k.dtype, dh0 fp32 or None, dv2)`` (``dv2`` a new tensor in dv's
     dtype; None when ``dv`` is None, for a caller that forms the state's share of dv itself, which
     the delta rule, whose ``dh`` reads ``dv2``, cannot). With ``intra_dv`` (``dv`` None, a scalar
@@ -729,14 +757,26 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     (``wy.wy_fwd(..., q=q)``), from which the walk forms that dv instead of from q and k. Without
     ``w`` and with long sequences the two-level pass (``_two_level``). ``dv_out``: where dv2 is
     written (do's shape and dv's dtype, any token stride: ``index.token_stride``), in place of a new
-    tensor; the caller's gradient buffer."""
+    tensor; the caller's gradient buffer.
+
+    GLA (a per-key gate ``gk``, ``intra_dv`` and ``scores`` its scaled A, ``values`` its v): the walk
+    forms ``intra_vector_gate.vector_gate_dv_dA``'s two products, the intra-chunk ``dv = A^T do`` and
+    ``dA = scale tril(do v^T)`` (fp32 ``[B, T, H, BT]``, returned fourth), over whole value rows
+    (one program per sequence and head); only where ``walk_forms_dv_dA`` holds."""
+    if values is not None:
+        if gk is None or not intra_dv or scores is None or w is not None or g is not None:
+            raise ValueError("state_bwd: values (GLA's walk forming dv and dA) take gk, intra_dv=True and "
+                             "scores (its A)")
+        if not walk_forms_dv_dA(k.shape[3], plan, do.shape[2], k.device, gk=gk):
+            raise ValueError("state_bwd: the walk forms dv and dA only where walk_forms_dv_dA holds")
     if dv_out is not None and dv is None and not intra_dv:
         raise ValueError("state_bwd: dv_out is dv2's buffer, and without dv (or intra_dv) there is no dv2")
     if scores is not None and not intra_dv:
         raise ValueError("state_bwd: scores are read by the walk that forms the intra-chunk dv (intra_dv=True)")
     if intra_dv:
-        if dv is not None or gk is not None:
-            raise ValueError("state_bwd: intra_dv forms dv itself (dv must be None) and takes a scalar gate, not gk")
+        if dv is not None or (gk is not None and values is None):
+            raise ValueError("state_bwd: intra_dv forms dv itself (dv must be None) and takes a scalar gate, "
+                             "not gk (GLA's walk: pass values)")
     elif dv is None and w is not None:
         raise ValueError("state_bwd: the delta rule (w) needs dv")
     two_level = _two_level("state_bwd", w, plan, gk, heads=do.shape[2])
@@ -753,15 +793,19 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs
-    BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk), g is not None)
+    BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk), g is not None, values is not None)
+    if values is not None and cfg["BV"] < V:
+        raise ValueError(f"state_bwd: the walk forming dA takes whole value rows, BV >= V = {V}; TUNING gave "
+                         f"BV = {cfg['BV']}")
     dh = k.new_empty(plan.num_chunks, H, K, V)
+    dA = None if values is None else torch.empty(B, T, H, plan.chunk_size, device=k.device, dtype=torch.float32)
     dv2 = dv_out if dv_out is not None else torch.empty_like(do) if intra_dv else None if dv is None else (
         torch.empty_like(dv))
     sdv = H * V if dv2 is None else token_stride("dv_out", dv2, do.shape)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
-        q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, plan.cu_seqlens, plan.chunk_offsets,
+        q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, values, dA, plan.cu_seqlens, plan.chunk_offsets,
         scale, sdv, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
-        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, **cfg)
-    return dh, dh0, dv2
+        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, FORM_DA=values is not None, **cfg)
+    return (dh, dh0, dv2) if values is None else (dh, dh0, dv2, dA)

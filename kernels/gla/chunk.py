@@ -8,8 +8,10 @@ with the per-key gate ``gk = G`` and ``o = scale (q ⊙ exp(G)) h + A v``: the s
 from the states it holds and A (``state.walk_forms_output``), the two-level pass of long sequences
 leaves it to ``vector_gate_output``.
 
-Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do) completed by
-``state.state_bwd`` (which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
+Backward: ``dv = A^T do`` (with ``dA = scale tril(do v^T)``, from one read of do: formed by
+``state.state_bwd``'s walk where one program per sequence and head fills the GPU,
+``state.walk_forms_dv_dA``, else by ``vector_gate_dv_dA`` first) completed by ``state.state_bwd``
+(which also yields ``dh`` and ``dh0``); dA gives the intra parts of dq and dk;
 the inter parts and the gate gradient ``dg`` (reverse cumsum of ``q ⊙ dq - k ⊙ dk`` plus the
 state-update terms at the chunk's last row) come from ``vector_gate_bwd_dqkg``. dv goes from stage
 to stage in v's dtype; with ``grads_into`` dq, dk and dv are written into a caller's buffers (the
@@ -37,7 +39,13 @@ from ttr.kernels.common.intra_vector_gate import (
     vector_gate_scores,
 )
 from ttr.kernels.common.overlap import kept_or_beside
-from ttr.kernels.common.state import state_bwd, state_fwd, walk_can_form_output, walk_forms_output
+from ttr.kernels.common.state import (
+    state_bwd,
+    state_fwd,
+    walk_can_form_output,
+    walk_forms_dv_dA,
+    walk_forms_output,
+)
 from ttr.kernels.common.torch_chunk import chunk_torch
 from ttr.kernels.gla.reference import check_gla_inputs, logit_gate_of
 from ttr.kernels.utils import kernel_backend, on_input_device
@@ -84,12 +92,18 @@ class ChunkGLAFunction(torch.autograd.Function):
         # the states formed again beside the stages up to dq/dk, which do not read them (``overlap``)
         states = kept_or_beside(kept[0] if kept else None,
                                 lambda: state_fwd(k, v, plan, gk=gk, initial_state=initial_state)[0], q.device)
-        dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
         # the caller's buffers for dq, dk and dv (the column blocks of its projections' gradient)
         into = ctx.grads_into() if ctx.grads_into is not None else (None, None, None)
-        dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk,
-                                dht=None if dht is None else dht.contiguous(),
-                                need_dh0=initial_state is not None, dv_out=into[2])
+        dht = None if dht is None else dht.contiguous()
+        if walk_forms_dv_dA(q.shape[3], plan, q.shape[2], q.device, gk=gk):
+            # the walk forms the intra-chunk dv and dA from the do tiles it loads anyway, A and v
+            dh, dh0, dv, dA = state_bwd(q, k, do, None, plan, scale=scale, gk=gk, dht=dht,
+                                        need_dh0=initial_state is not None, dv_out=into[2], intra_dv=True,
+                                        scores=A, values=v)
+        else:
+            dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
+            dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk, dht=dht,
+                                    need_dh0=initial_state is not None, dv_out=into[2])
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
         dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale,
                                           logits=None if z is None else (z, *ctx.gate_logits),

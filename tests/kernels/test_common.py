@@ -240,28 +240,93 @@ def test_vector_gate_walk_forms_the_output(monkeypatch, B, T, cu, K, V):
         state_fwd(k, v, plan, gk=gkc, q=q, scores=A)
 
 
+@pytest.mark.parametrize("B,T,cu", CASES)
+@pytest.mark.parametrize("K,V", [(20, 24), (64, 40)])
+def test_vector_gate_walk_forms_dv_and_dA(monkeypatch, B, T, cu, K, V):
+    """GLA's backward walk forms ``vector_gate_dv_dA``'s intra-chunk dv (completed by ``k dh``) and
+    dA over whole value rows: the same dh, dh0, dv and dA as the launch and the walk (an initial
+    state's and a final state's gradient, packed sequences, decays of up to e^-300 in a chunk);
+    refused without gk, A or where ``walk_forms_dv_dA`` does not hold."""
+    from ttr.kernels.common import index, state
+    from ttr.kernels.common import intra_vector_gate as vg
+
+    H, scale = 2, 0.5
+    N = B if cu is None else len(cu) - 1
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, V)
+    gk, do, dht = -5 * torch.rand(B, T, H, K), torch.randn(B, T, H, V), torch.randn(N, H, K, V)
+    plan = prepare_chunks(torch.tensor(cu, dtype=torch.int32) if cu else None, B, T)
+    gkc = chunk_local_cumsum(gk, plan)
+    A = vg.vector_gate_scores(q, k, gkc, plan, scale=scale)
+    dvi, dA = vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)
+    dh, dh0, dv = state_bwd(q, k, do, dvi, plan, scale=scale, gk=gkc, dht=dht, need_dh0=True)
+    assert state.walk_forms_dv_dA(K, plan, H, q.device, gk=gkc)
+    dh1, dh01, dv1, dA1 = state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, dht=dht, need_dh0=True,
+                                    intra_dv=True, scores=A, values=v)
+    valid = torch.zeros(B, T, dtype=torch.bool)  # dA's rows past a sequence's end are never written
+    for b, s, e in spans(B, T, cu):
+        valid[b, s:e] = True
+    for a, b in ((dh1, dh), (dh01, dh0), (dv1, dv), (dA1[valid], dA[valid])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="values"):
+        state_bwd(q, k, do, None, plan, scale=scale, intra_dv=True, scores=A, values=v)
+    with pytest.raises(ValueError, match="values"):
+        state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, values=v)
+    with pytest.raises(ValueError, match="pass values"):
+        state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, scores=A)
+    monkeypatch.setitem(index.TUNING, "state_bwd", {"BV": 16})
+    with pytest.raises(ValueError, match="whole value rows"):
+        state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, scores=A, values=v)
+    monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": False})
+    assert not state.walk_forms_dv_dA(K, plan, H, q.device, gk=gkc)
+    with pytest.raises(ValueError, match="walk_forms_dv_dA"):
+        state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, scores=A, values=v)
+
+
+def test_gla_walk_forms_dv_and_dA_where_one_program_per_head_fills_the_gpu(monkeypatch):
+    """On 132 SMs: 16 heads of 8 sequences walk whole value rows, of 4 do not; long sequences take
+    the two-level pass (no walk); ``TUNING["state_bwd"]["intra_dv"]`` overrides the grid's rule."""
+    from ttr.kernels.common import index, state
+
+    monkeypatch.setattr(state, "sm_count", lambda device: 132)
+    gk, cuda = torch.empty(0), torch.device("cuda")
+    forms = state.walk_forms_dv_dA
+    assert forms(64, prepare_chunks(None, 8, 4096), 16, cuda, gk=gk)
+    assert not forms(64, prepare_chunks(None, 4, 4096), 16, cuda, gk=gk)
+    assert not forms(64, prepare_chunks(None, 8, 8192), 16, cuda, gk=gk)
+    assert not forms(256, prepare_chunks(None, 8, 4096), 16, cuda, gk=gk)
+    monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": True})
+    assert forms(64, prepare_chunks(None, 4, 4096), 16, cuda, gk=gk)
+    monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": False})
+    assert not forms(64, prepare_chunks(None, 8, 4096), 16, cuda, gk=gk)
+
+
 @pytest.mark.parametrize("states", ["auto", "recompute"])
 def test_gla_forms_its_output_in_the_walk_or_a_launch(monkeypatch, states):
-    """``chunk_gla``'s forward takes the walk that forms o by default and the launch under
-    ``TUNING["state_fwd"]["output"] = False``: the same output and gradients, also where the walk
-    writes no states (``TTR_CHUNK_STATES=recompute``: the backward forms them again)."""
+    """``chunk_gla``'s walks form o, and dv and dA, by default (here) and the launches do under
+    ``TUNING["state_fwd"]["output"] = False`` and ``TUNING["state_bwd"]["intra_dv"] = False``: the
+    same output and gradients, also where the forward's walk writes no states
+    (``TTR_CHUNK_STATES=recompute``: the backward forms them again)."""
     from ttr.kernels.common import index, state
     from ttr.kernels.gla import chunk_gla
 
     monkeypatch.setenv("TTR_CHUNK_STATES", states)
-    calls = []
-    real = state.state_fwd
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    calls, bwd = [], []
+    real, real_bwd = state.state_fwd, state.state_bwd
     monkeypatch.setattr("ttr.kernels.gla.chunk.state_fwd", lambda *a, **kw: calls.append("q" in kw) or real(*a, **kw))
+    monkeypatch.setattr("ttr.kernels.gla.chunk.state_bwd",
+                        lambda *a, **kw: bwd.append("values" in kw) or real_bwd(*a, **kw))
     x = [torch.randn(1, 100, 2, 16), torch.randn(1, 100, 2, 16) * 0.3, torch.randn(1, 100, 2, 24),
          -torch.rand(1, 100, 2, 16)]
     outs = []
     for walk in (True, False):
         monkeypatch.setitem(index.TUNING, "state_fwd", {"output": walk})
+        monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": walk})
         leaves = [t.clone().requires_grad_(True) for t in x]
         o, _ = chunk_gla(*leaves)
         o.square().sum().backward()
         outs.append([o.detach(), *(t.grad for t in leaves)])
-    assert calls[0] and not calls[-1]
+    assert calls[0] and not calls[-1] and bwd == [True, False]
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -277,8 +277,11 @@ def test_walk_launch_heuristic(monkeypatch):
     assert blocks(64, 64, 128, True, "vector") == (64, 4, 3)
     # GLA-1.3B's forward walk (K = 64, V = 128) forming the output: 2 stages where the grid needs
     # two programs per SM (8 x 2048: 128 (sequence, head) pairs), 3 where one per SM covers it (4 x 4096)
-    output = [state._state_blocks(64, 128, n, cuda, 2, False, "vector", output=True)[2] for n in (128, 64)]
+    output = [state._state_blocks(64, 128, n, cuda, 2, False, "vector", forms=True)[2] for n in (128, 64)]
     assert [(c["BV"], c["num_warps"], c["num_stages"]) for c in output] == [(64, 4, 2), (64, 4, 3)]
     assert blocks(64, 128, 128, False, "vector") == (64, 4, 3)
+    # its backward walk forming dv and dA: whole value rows on 2 stages, at any grid
+    rows = [state._state_blocks(64, 128, n, cuda, 2, True, "vector", forms=True)[2] for n in (128, 16)]
+    assert [(c["BV"], c["num_warps"], c["num_stages"]) for c in rows] == [(128, 8, 2), (128, 8, 2)]
     assert blocks(128, 64, 64, True, "scalar") == (32, 4, 3)
     assert blocks(128, 64, 128, True, "scalar") == (64, 8, 3)
