@@ -441,7 +441,8 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     GLA-1.3B's K = V / 2 = 64 with BV = 64: on 2 stages two programs share an SM, on 3 one. So it runs
     2 where the grid needs two programs per SM: on an H200 (bf16, 16 heads) 2 stages timed faster at
     8 x 2048 and 8 x 4096 (256 programs), 3 at 4 x 4096 (128). Its backward walk that forms dv and dA
-    (``forms``, backward) takes whole value rows, on 2 stages.
+    (``forms``, backward) takes whole value rows on 2 stages: 3 timed faster alone but not in
+    gla-1.3b's training step (docs/benchmarks.md, launch choices).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
