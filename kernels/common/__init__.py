@@ -34,15 +34,19 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   (``[B,T,H]``, without ``w``) scales u's rows inside the pass (SSD's ``v = x dt``; v_new None).
   With ``q`` the walk also forms ``output_fwd``'s o and returns it fourth (``keep_h=False``: h is
   not written, None; ``scores``: it reads ``wy_fwd``'s scores instead of forming them; ``skip``
-  ``[H]``: plus ``skip[h] u``, SSD's ``D x``); ``state.walk_forms_output`` says when the delta
-  rules ask it to, ``ssd.chunk.walk_forms_ssd_output`` when SSD does, ``state.walk_can_form_output``
-  where the walk can (else the output launch, which takes neither ``u_scale`` nor ``skip``).
+  ``[H]``: plus ``skip[h] u``, SSD's ``D x``; with ``gk``, GLA's o from ``scores`` its A, by the
+  walk only); ``state.walk_forms_output`` says when the delta rules and GLA ask it to,
+  ``ssd.chunk.walk_forms_ssd_output`` when SSD does, ``state.walk_can_form_output`` where the walk
+  can (else the output launch, which takes neither ``u_scale`` nor ``skip``).
 - ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
-  need_dh0=False, intra_dv=False, scores=None) -> (dh, dh0, dv2)``: ``dh[c]`` is the gradient of the state
+  need_dh0=False, intra_dv=False, scores=None, dv_out=None, values=None) -> (dh, dh0, dv2)``:
+  ``dh[c]`` is the gradient of the state
   *after* chunk c, ``dv`` the intra-chunk gradient of ``v_new``, ``dv2 = dv + (k ⊙ decay) dh`` its
   full gradient (``dv=None``, without ``w``: dh alone and ``dv2`` None, for a caller that forms it
   itself; ``dv=None, intra_dv=True``: the walk forms ``output_bwd_dv``'s dv from the tiles it
-  loads, or from ``scores``, ``state.walk_forms_dv`` says when the delta rules ask it to).
+  loads, or from ``scores``, ``state.walk_forms_dv`` says when the delta rules ask it to; with
+  ``gk``, ``scores`` GLA's A and ``values`` its v, also ``dA``, returned fourth, where
+  ``state.walk_forms_dv_dA`` holds).
 - ``output.output_fwd(q, k, v_new, h, plan, *, scale, g=None) -> o``:
   ``o = (q ⊙ exp(g)) h * scale + (q k^T ⊙ causal ⊙ Γ) v_new * scale``.
 - ``output.output_bwd_dv(q, k, do, plan, *, scale, g=None) -> dv``: the intra-chunk gradient of
