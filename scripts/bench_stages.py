@@ -313,8 +313,9 @@ SWEEPS = {
         "state_fwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_fwd"]
         + [dict(output=o, BV=bv, num_warps=nw, num_stages=ns) for o in (True, False) for bv in (32, 64)
            for nw in (4, 8) for ns in (2, 3)],
-        # the walk forming dv and dA over whole value rows or ``vector_gate_dv_dA`` before it
-        "state_bwd": [dict(two_level=False)] + STATE_WALK_SWEEP["state_bwd"]
+        # the walk forming dv and dA over whole value rows or ``vector_gate_dv_dA`` before it (the
+        # narrower value blocks only for the latter: the former refuses them)
+        "state_bwd": [dict(two_level=False)] + [dict(c, intra_dv=False) for c in STATE_WALK_SWEEP["state_bwd"]]
         + [dict(intra_dv=dv, num_warps=nw, num_stages=ns) for dv in (True, False) for nw in (4, 8) for ns in (1, 2, 3)],
         "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
