@@ -130,7 +130,8 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
         # them first (``TUNING["state_bwd"]["intra_dv"]`` chooses; the default by the grid)
         if walk_forms_dv_dA(k.shape[3], plan, k.shape[2], k.device, gk=gk):
             return state_bwd(q, k, do, None, plan, scale=scale, gk=gk, intra_dv=True, scores=A, values=v)
-        return state_bwd(q, k, do, vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)[0], plan, scale=scale, gk=gk)
+        dvi = vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)[0]
+        return state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
 
     x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device, GLA_STAGE_SHAPE)
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
@@ -315,8 +316,10 @@ SWEEPS = {
            for nw in (4, 8) for ns in (2, 3)],
         # the walk forming dv and dA over whole value rows or ``vector_gate_dv_dA`` before it (the
         # narrower value blocks only for the latter: the former refuses them)
-        "state_bwd": [dict(two_level=False)] + [dict(c, intra_dv=False) for c in STATE_WALK_SWEEP["state_bwd"]]
-        + [dict(intra_dv=dv, num_warps=nw, num_stages=ns) for dv in (True, False) for nw in (4, 8) for ns in (1, 2, 3)],
+        "state_bwd": [dict(two_level=False)]
+        + [dict(c, intra_dv=False) for c in STATE_WALK_SWEEP["state_bwd"]]
+        + [dict(intra_dv=dv, num_warps=nw, num_stages=ns) for dv in (True, False) for nw in (4, 8)
+           for ns in (1, 2, 3)],
         "state_fwd_scan": [dict(BK=bk, BV=bv, num_warps=nw, num_stages=ns) for bk, bv in ((16, 32), (32, 32),
                            (32, 64), (64, 64)) for nw in (2, 4) for ns in (2, 4)],
         "state_bwd_scan": [dict(BK=bk, BV=bv, num_warps=4, num_stages=ns) for bk, bv in ((16, 32), (32, 32),

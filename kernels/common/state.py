@@ -100,10 +100,9 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
     # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
     # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
     # q, k and v_new tiles; KEPT_S: it reads the chunk's scores ``q k^T ⊙ causal ⊙ Γ`` from ``s``
-    # (``wy.wy_fwd``'s) instead of forming them; with a per-key gate (USE_GK, KEPT_S) o is
-    # ``intra_vector_gate.vector_gate_output``'s, ``scale (q ⊙ exp(gk)) h + s v`` with s GLA's scaled
-    # scores; USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``, of the unscaled values), in fp32
-    # before its one rounding; STORE_H off: the states are not written (nothing reads them).
+    # (``wy.wy_fwd``'s) instead of forming them (USE_GK: GLA's scaled A, o = scale (q ⊙ exp(gk)) h + s v);
+    # USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``, of the unscaled values), in fp32 before its
+    # one rounding; STORE_H off: the states are not written (nothing reads them).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -136,8 +135,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
         if SPLIT:
             b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         if USE_GK:
-            # the decayed keys and the decay before the output's products: its q ⊙ exp(gk) takes the
-            # gate's tile from here
+            # before the output's products: its q ⊙ exp(gk) takes the gate's tile from here
             b_kd, b_dec, b_gkT = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
             if SPLIT:
                 b_kd2, b_dec2, _ = _decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
@@ -147,8 +145,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             b_q = _load_half(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
             if USE_GK:
                 tl.static_assert(KEPT_S, "with a per-key gate the walk reads the kept scores (state_fwd)")
-                # rounded to q's dtype as vector_gate_output rounds it; padded rows are 0 either way
-                b_q = (b_q.to(tl.float32) * fast_exp(tl.trans(b_gkT))).to(b_q.dtype)
+                b_q = (b_q.to(tl.float32) * fast_exp(tl.trans(b_gkT))).to(b_q.dtype)  # as vector_gate_output
             b_o = tl.dot(b_q, b_h.to(b_q.dtype))
             if KEPT_S:
                 b_A = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
@@ -170,7 +167,8 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             if USE_GK:
                 b_o = b_o * scale + tl.dot(b_A.to(b_k.dtype), b_v.to(b_k.dtype))
             else:
-                b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G, KEPT_S)
+                b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G,
+                                   KEPT_S)
             if USE_SKIP:
                 # u's tile as loaded (a cache hit) rather than held unscaled beside b_v
                 b_o += tl.load(skip + i_h) * _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
@@ -200,7 +198,8 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seqlens, chunk_offsets, scale, SDV,
+def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seqlens, chunk_offsets, scale,
+                     SDV,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
@@ -437,12 +436,10 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     (K = V = 128, H = 16, two stages); with ``w`` 4 warps stay faster (Gated DeltaNet), and at
     GLA-1.3B's K = 64 too. The vector gate's forward on 8 warps runs 2 stages, which timed faster
     than 3 (docs/benchmarks.md, launch alternatives and launch choices). The vector gate's walk that
-    forms the output (``forms``, forward) loads q's and the scores' tiles too, 48 KB a stage at
-    GLA-1.3B's K = V / 2 = 64 with BV = 64: on 2 stages two programs share an SM, on 3 one. So it runs
-    2 where the grid needs two programs per SM: on an H200 (bf16, 16 heads) 2 stages timed faster at
-    8 x 2048 and 8 x 4096 (256 programs), 3 at 4 x 4096 (128). Its backward walk that forms dv and dA
-    (``forms``, backward) takes whole value rows on 2 stages: 3 timed faster alone but not in
-    gla-1.3b's training step (docs/benchmarks.md, launch choices).
+    forms the output (``forms``) loads q's and A's tiles too, 48 KB a stage at GLA-1.3B's K = 64, BV =
+    64: it runs 2 stages (two programs per SM) where the grid needs them, else 3 (H200: 2 faster at 8 x
+    2048 and 8 x 4096, 3 at 4 x 4096). Its backward walk forming dv and dA takes whole value rows on 2
+    stages (3 timed faster alone, not in gla-1.3b's step; docs/benchmarks.md, launch choices).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -490,10 +487,10 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    if not backward and walk == "vector" and (num_warps == 8 or forms and programs_per_vblock * cdiv(V, BV) > sms):
+    # the backward walk forming dA loads A's and v's tiles too: 72 KB a stage at K = 64, V = 128
+    two_per_sm = forms and programs_per_vblock * cdiv(V, BV) > sms
+    if rows or not backward and walk == "vector" and (num_warps == 8 or two_per_sm):
         num_stages = min(num_stages, 2)
-    if rows:
-        num_stages = min(num_stages, 2)  # A's and v's tiles too: 72 KB a stage at K = 64, V = 128
     cap = {"maxnreg": 168} if backward and walk == "scalar" else {}
     return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
 
@@ -590,17 +587,15 @@ def walk_can_form_output(K: int, plan: ChunkPlan, heads: int, *, w: torch.Tensor
 
 def walk_forms_output(gated: bool, scores: bool = False) -> bool:
     """Whether the forward has the state walk form the output (``state_fwd(..., q=q)``) rather than
-    launching ``output.output_fwd`` after it (GLA: ``intra_vector_gate.vector_gate_output``; its
-    walk always reads the kept scores, so it asks with ``scores``); ``TUNING["state_fwd"]["output"]``
-    overrides. By default without a gate, and with one where the walk reads the kept scores
-    (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8 x 2048 to 1 x
-    16384) DeltaNet's walk forming the output timed faster than its walk and the output launch (254
-    registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's forming its scores itself
-    slower: the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on
-    8, and no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it
-    still lost to the launch (docs/benchmarks.md): the gate's tile and masks nearly double each
-    step's instructions. GLA's walk reading its A timed faster than its walk and the launch (16
-    heads of K = 64, V = 128 at 8 x 2048, 4 x 4096 and 8 x 4096; docs/benchmarks.md)."""
+    launching ``output.output_fwd`` (GLA, which always keeps its scores: ``vector_gate_output``) after it;
+    ``TUNING["state_fwd"]["output"]`` overrides. By default without a gate, and with one where the walk
+    reads the kept scores (``scores``: ``walk_reads_scores``). On an H200 (bf16, 16 heads of K = V = 128, 8
+    x 2048 to 1 x 16384) DeltaNet's walk forming the output timed faster than its walk and the output
+    launch (254 registers on 4 warps, no spill; Triton 3.6), and Gated DeltaNet's forming its scores itself
+    slower: the scores' gate tile spills (255 registers, 112 bytes of stack on 4 warps; 8 bytes on 8, and
+    no faster), and written not to spill (scores cast to bf16 at once, value blocks of 32) it still lost to
+    the launch (docs/benchmarks.md): the gate's tile and masks nearly double each step's instructions.
+    GLA's walk reading its A timed faster than its walk and the launch."""
     return bool(tuned("state_fwd", output=not gated or scores)["output"])
 
 
@@ -617,11 +612,8 @@ def walk_forms_dv(gated: bool, scores: bool = False) -> bool:
 
 
 def walk_forms_dv_dA(K: int, plan: ChunkPlan, heads: int, device, *, gk: torch.Tensor) -> bool:
-    """Whether GLA's backward has its state walk form the intra-chunk dv and dA
-    (``state_bwd(..., values=v)``) rather than launching ``intra_vector_gate.vector_gate_dv_dA`` for
-    them first: a sequential walk (not the two-level pass) over one key block, where one program per
-    (sequence, head) over whole value rows fills the GPU; ``TUNING["state_bwd"]["intra_dv"]``
-    overrides the last condition."""
+    """Whether GLA's state walk forms dv and dA (``state_bwd(..., values=v)``, not ``vector_gate_dv_dA``):
+    a sequential walk at K <= 128 where one program per (sequence, head) fills the GPU (TUNING)."""
     walks = K <= 128 and not _two_level("state_bwd", None, plan, gk, heads=heads)
     full = plan.num_seqs * heads >= 0.9 * sm_count(device)
     return walks and bool(tuned("state_bwd", intra_dv=full)["intra_dv"])
@@ -694,25 +686,19 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     (sequential walk only, ``walk_can_form_output``; elsewhere that launch, which takes neither
     ``u_scale`` nor ``skip``). ``keep_h=False``: h is not needed after the call and is not written
     (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙ causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)``
-    formed, which the walk then reads instead of forming them (``walk_reads_scores``). With a per-key
-    gate ``gk`` (GLA) ``q`` takes ``scores``, the scaled ``A`` of
-    ``intra_vector_gate.vector_gate_scores``, and o is ``vector_gate_output(q, u, gk, A, h, plan,
-    scale=scale)``, formed by the walk only (``walk_can_form_output(..., gk=gk)``)."""
+    formed, which the walk then reads instead of forming them (``walk_reads_scores``). With ``gk``
+    (GLA) ``scores`` is ``vector_gate_scores``' A and o ``vector_gate_output``'s, by the walk only."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
     if q is not None and gk is not None and scores is None:
-        raise ValueError("state_fwd: q with a per-key gate gk needs the kept scores (pass scores: "
-                         "vector_gate_scores's A)")
+        raise ValueError("state_fwd: q with a per-key gate gk needs scores (vector_gate_scores's A)")
     if scores is not None and q is None:
         raise ValueError("state_fwd: scores are read by the walk that forms the output (pass q)")
     if skip is not None and q is None:
         raise ValueError("state_fwd: skip is a term of the output (pass q)")
     if q is not None and not walk_can_form_output(k.shape[3], plan, u.shape[2], w=w, gk=gk):
-        if gk is not None:
-            raise ValueError("state_fwd: the output with a per-key gate is formed by the walk only "
-                             "(walk_can_form_output)")
-        if u_scale is not None or skip is not None:
-            raise ValueError("state_fwd: the output with u_scale or skip is formed by the walk only "
+        if gk is not None or u_scale is not None or skip is not None:
+            raise ValueError("state_fwd: the output with gk, u_scale or skip is formed by the walk only "
                              "(walk_can_form_output)")
         h, v_new, ht = state_fwd(k, u, plan, w=w, g=g, initial_state=initial_state,
                                  output_final_state=output_final_state)
@@ -760,16 +746,14 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     written (do's shape and dv's dtype, any token stride: ``index.token_stride``), in place of a new
     tensor; the caller's gradient buffer.
 
-    GLA (a per-key gate ``gk``, ``intra_dv`` and ``scores`` its scaled A, ``values`` its v): the walk
-    forms ``intra_vector_gate.vector_gate_dv_dA``'s two products, the intra-chunk ``dv = A^T do`` and
-    ``dA = scale tril(do v^T)`` (fp32 ``[B, T, H, BT]``, returned fourth), over whole value rows
-    (one program per sequence and head); only where ``walk_forms_dv_dA`` holds."""
-    if values is not None:
-        if gk is None or not intra_dv or scores is None or w is not None or g is not None:
-            raise ValueError("state_bwd: values (GLA's walk forming dv and dA) take gk, intra_dv=True and "
-                             "scores (its A)")
-        if not walk_forms_dv_dA(k.shape[3], plan, do.shape[2], k.device, gk=gk):
-            raise ValueError("state_bwd: the walk forms dv and dA only where walk_forms_dv_dA holds")
+    GLA (``gk``, ``intra_dv``, ``scores`` its A, ``values`` its v; ``walk_forms_dv_dA``): the walk also
+    forms ``dA = scale tril(do v^T)`` (fp32 ``[B, T, H, BT]``, returned fourth) over whole value rows."""
+    if values is not None and (gk is None or not intra_dv or scores is None or w is not None
+                               or g is not None):
+        raise ValueError("state_bwd: values (GLA's walk forming dv and dA) take gk, intra_dv=True and "
+                         "scores (A)")
+    if values is not None and not walk_forms_dv_dA(k.shape[3], plan, do.shape[2], k.device, gk=gk):
+        raise ValueError("state_bwd: the walk forms dv and dA only where walk_forms_dv_dA holds")
     if dv_out is not None and dv is None and not intra_dv:
         raise ValueError("state_bwd: dv_out is dv2's buffer, and without dv (or intra_dv) there is no dv2")
     if scores is not None and not intra_dv:
@@ -796,10 +780,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     N = plan.num_seqs
     BK, split, cfg = _walk_launch("state_bwd", k, V, N * H, _walk(w, gk), g is not None, values is not None)
     if values is not None and cfg["BV"] < V:
-        raise ValueError(f"state_bwd: the walk forming dA takes whole value rows, BV >= V = {V}; TUNING gave "
-                         f"BV = {cfg['BV']}")
+        raise ValueError(f"state_bwd: the walk forming dA takes whole value rows, BV >= {V}; TUNING gave "
+                         f"{cfg['BV']}")
     dh = k.new_empty(plan.num_chunks, H, K, V)
-    dA = None if values is None else torch.empty(B, T, H, plan.chunk_size, device=k.device, dtype=torch.float32)
+    dA = None if values is None else torch.empty(B, T, H, plan.chunk_size, device=k.device,
+                                                 dtype=torch.float32)
     dv2 = dv_out if dv_out is not None else torch.empty_like(do) if intra_dv else None if dv is None else (
         torch.empty_like(dv))
     sdv = H * V if dv2 is None else token_stride("dv_out", dv2, do.shape)
@@ -808,5 +793,6 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
         q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, values, dA, plan.cu_seqlens, plan.chunk_offsets,
         scale, sdv, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
-        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, FORM_DA=values is not None, **cfg)
+        USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, FORM_DA=values is not None,
+        **cfg)
     return (dh, dh0, dv2) if values is None else (dh, dh0, dv2, dA)

@@ -225,14 +225,14 @@ def test_vector_gate_walk_forms_the_output(monkeypatch, B, T, cu, K, V):
     h, _, ht = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True)
     o = vg.vector_gate_output(q, v, gkc, A, h, plan, scale=scale)
     assert state.walk_can_form_output(K, plan, H, gk=gkc)
-    h1, _, ht1, o1 = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True, q=q, scale=scale,
-                               scores=A)
+    h1, _, ht1, o1 = state_fwd(k, v, plan, gk=gkc, initial_state=h0, output_final_state=True, q=q,
+                               scale=scale, scores=A)
     for a, b in ((h1, h), (ht1, ht), (o1, o)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     h2, _, _, o2 = state_fwd(k, v, plan, gk=gkc, initial_state=h0, q=q, scale=scale, scores=A, keep_h=False)
     assert h2 is None
     torch.testing.assert_close(o2, o, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="needs the kept scores"):
+    with pytest.raises(ValueError, match="needs scores"):
         state_fwd(k, v, plan, gk=gkc, q=q)
     monkeypatch.setattr(state, "_two_level", lambda *a, **kw: True)
     assert not state.walk_can_form_output(K, plan, H, gk=gkc)
@@ -313,7 +313,8 @@ def test_gla_forms_its_output_in_the_walk_or_a_launch(monkeypatch, states):
     monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
     calls, bwd = [], []
     real, real_bwd = state.state_fwd, state.state_bwd
-    monkeypatch.setattr("ttr.kernels.gla.chunk.state_fwd", lambda *a, **kw: calls.append("q" in kw) or real(*a, **kw))
+    monkeypatch.setattr("ttr.kernels.gla.chunk.state_fwd",
+                        lambda *a, **kw: calls.append("q" in kw) or real(*a, **kw))
     monkeypatch.setattr("ttr.kernels.gla.chunk.state_bwd",
                         lambda *a, **kw: bwd.append("values" in kw) or real_bwd(*a, **kw))
     x = [torch.randn(1, 100, 2, 16), torch.randn(1, 100, 2, 16) * 0.3, torch.randn(1, 100, 2, 24),

@@ -87,7 +87,8 @@ def test_walk_forming_dv_and_dA_vs_float64(monkeypatch, shape, dtype):
     if shape[0] * shape[2] < 64:
         monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": True})
     walked = []
-    monkeypatch.setattr(gla_chunk, "state_bwd", lambda *a, **kw: walked.append("values" in kw) or state.state_bwd(*a, **kw))
+    monkeypatch.setattr(gla_chunk, "state_bwd",
+                        lambda *a, **kw: walked.append("values" in kw) or state.state_bwd(*a, **kw))
     check_vs_float64("gla", shape, dtype)
     assert walked == [True]
 

@@ -114,7 +114,7 @@ def test_walk_output_needs_the_sequential_walk():
     (x, dt, A, B, C), _ = ssd_inputs(1, 70, 2, 1, 136, 8)
     plan = prepare_chunks(None, 1, 70)
     gc = chunk_local_cumsum(dt, plan, scale=A)
-    with pytest.raises(ValueError, match="u_scale or skip"):
+    with pytest.raises(ValueError, match="gk, u_scale or skip"):
         state_fwd(B, x, plan, g=gc, u_scale=dt, q=C)
     with pytest.raises(ValueError, match="skip is a term of the output"):
         state_fwd(B[..., :8], x, plan, g=gc, u_scale=dt, skip=torch.ones(2))
