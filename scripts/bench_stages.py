@@ -108,44 +108,24 @@ def gla_stage_calls(B: int, T: int, device) -> dict[str, Callable]:
     from ttr.kernels.common import intra_vector_gate as vg
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states
-    from ttr.kernels.common.state import (
-        state_bwd,
-        state_fwd,
-        walk_can_form_output,
-        walk_forms_dv_dA,
-        walk_forms_output,
-    )
-    from ttr.kernels.gla.chunk import GLA_KEEP_STATES_MIN_CHUNKS
-
-    def forward_walk():
-        # as the op runs it: the walk forms the output, or ``vector_gate_output`` reads its states
-        # after it (``TUNING["state_fwd"]["output"]`` chooses; the two-level pass takes the launch)
-        if walk_can_form_output(k.shape[3], plan, k.shape[2], gk=gk) and walk_forms_output(True, scores=True):
-            return state_fwd(k, v, plan, gk=gk, q=q, scale=scale, scores=A,
-                             keep_h=keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS))[3]
-        return vg.vector_gate_output(q, v, gk, A, state_fwd(k, v, plan, gk=gk)[0], plan, scale=scale)
-
-    def backward_walk():
-        # as the op runs it: the walk forms the intra-chunk dv and dA, or ``vector_gate_dv_dA`` forms
-        # them first (``TUNING["state_bwd"]["intra_dv"]`` chooses; the default by the grid)
-        if walk_forms_dv_dA(k.shape[3], plan, k.shape[2], k.device, gk=gk):
-            return state_bwd(q, k, do, None, plan, scale=scale, gk=gk, intra_dv=True, scores=A, values=v)
-        dvi = vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)[0]
-        return state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
+    from ttr.kernels.common.state import state_fwd
+    from ttr.kernels.gla.chunk import GLA_KEEP_STATES_MIN_CHUNKS, state_gradients, states_and_output
 
     x, do, scale, plan = _stage_inputs(gla_inputs, B, T, device, GLA_STAGE_SHAPE)
     q, k, v, g = x["q"], x["k"], x["v"], x["g"]
     gk = chunk_local_cumsum(g, plan)
     h, _, _ = state_fwd(k, v, plan, gk=gk)
     A = vg.vector_gate_scores(q, k, gk, plan, scale=scale)
-    dvi, dA = vg.vector_gate_dv_dA(A, v, do, plan, scale=scale)
-    dh, _, _ = state_bwd(q, k, do, dvi, plan, scale=scale, gk=gk)
+    dh, _, _, dA = state_gradients(q, k, v, gk, A, do, plan, scale=scale)
     dqi, dki = vg.vector_gate_intra_bwd(q, k, gk, dA, plan)
     return {
         "cumsum": lambda: chunk_local_cumsum(g, plan),
-        "state_fwd": forward_walk,
+        # the walks as the op runs them, each with the launch it takes in place of what the walk
+        # forms (``TUNING["state_fwd"]["output"]``, ``TUNING["state_bwd"]["intra_dv"]`` choose)
+        "state_fwd": lambda: states_and_output(q, k, v, gk, A, plan, scale=scale,
+                                               keep_h=keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS)),
         "vector_gate_scores": lambda: vg.vector_gate_scores(q, k, gk, plan, scale=scale),
-        "state_bwd": backward_walk,
+        "state_bwd": lambda: state_gradients(q, k, v, gk, A, do, plan, scale=scale),
         "vector_gate_intra_bwd": lambda: vg.vector_gate_intra_bwd(q, k, gk, dA, plan),
         "vector_gate_bwd_dqkg": lambda: vg.vector_gate_bwd_dqkg(q, k, v, gk, h, dh, do, dqi, dki, plan, scale=scale),
     }

@@ -752,8 +752,6 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
                                or g is not None):
         raise ValueError("state_bwd: values (GLA's walk forming dv and dA) take gk, intra_dv=True and "
                          "scores (A)")
-    if values is not None and not walk_forms_dv_dA(k.shape[3], plan, do.shape[2], k.device, gk=gk):
-        raise ValueError("state_bwd: the walk forms dv and dA only where walk_forms_dv_dA holds")
     if dv_out is not None and dv is None and not intra_dv:
         raise ValueError("state_bwd: dv_out is dv2's buffer, and without dv (or intra_dv) there is no dv2")
     if scores is not None and not intra_dv:
@@ -765,6 +763,9 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
     elif dv is None and w is not None:
         raise ValueError("state_bwd: the delta rule (w) needs dv")
     two_level = _two_level("state_bwd", w, plan, gk, heads=do.shape[2])
+    if values is not None and (k.shape[3] > 128 or two_level):
+        raise ValueError("state_bwd: values: only a walk at K <= 128 forms dv and dA, not the two-level pass "
+                         "(walk_forms_dv_dA)")
     if intra_dv and (k.shape[3] > 128 or two_level):
         # the two-level pass has no walk to form it in; the split state's walk (K > 128) formed it
         # wrong with fp32 inputs on the H200 (Triton 3.6: the float64 oracle missed at K = 256)

@@ -57,6 +57,35 @@ from ttr.kernels.utils import kernel_backend, on_input_device
 GLA_KEEP_STATES_MIN_CHUNKS = 0
 
 
+def states_and_output(q, k, v, gk, A, plan, *, scale: float, initial_state=None, output_final_state=False,
+                      keep_h=True):
+    """``(h, final_state, o)``: the states and ``o = scale (q ⊙ exp(G)) h + A v``. The sequential
+    walk forms o from the states it holds and the kept A (``state.walk_forms_output``), writing no
+    states where ``keep_h`` is off (h None); the two-level pass of long sequences, which holds no
+    running state, leaves o to ``vector_gate_output``."""
+    if walk_can_form_output(q.shape[3], plan, q.shape[2], gk=gk) and walk_forms_output(True, scores=True):
+        h, _, final, o = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
+                                   output_final_state=output_final_state, q=q, scale=scale, keep_h=keep_h, scores=A)
+        return h, final, o
+    h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state, output_final_state=output_final_state)
+    return h, final, vector_gate_output(q, v, gk, A, h, plan, scale=scale)
+
+
+def state_gradients(q, k, v, gk, A, do, plan, *, scale: float, dht=None, need_dh0=False, dv_out=None):
+    """``(dh, dh0, dv, dA)``: the states' gradients, v's (the intra-chunk ``A^T do`` plus the
+    states' share) and ``dA = scale tril(do v^T)``. The state walk forms the intra-chunk dv and dA
+    from the do tiles it loads anyway where one program per sequence and head fills the GPU
+    (``state.walk_forms_dv_dA``); elsewhere ``vector_gate_dv_dA`` forms them first, from one read of
+    do. ``dv_out``: dv's buffer (``state.state_bwd``'s)."""
+    if walk_forms_dv_dA(q.shape[3], plan, q.shape[2], q.device, gk=gk):
+        return state_bwd(q, k, do, None, plan, scale=scale, gk=gk, dht=dht, need_dh0=need_dh0, dv_out=dv_out,
+                         intra_dv=True, scores=A, values=v)
+    dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
+    dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk, dht=dht, need_dh0=need_dh0,
+                            dv_out=dv_out)
+    return dh, dh0, dv, dA
+
+
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, gate_logits, grads_into):
@@ -66,16 +95,8 @@ class ChunkGLAFunction(torch.autograd.Function):
         gk = chunk_local_cumsum(g, plan, logits=gate_logits)
         A = vector_gate_scores(q, k, gk, plan, scale=scale)
         keep = keep_states(plan, GLA_KEEP_STATES_MIN_CHUNKS)
-        if walk_can_form_output(q.shape[3], plan, q.shape[2], gk=gk) and walk_forms_output(True, scores=True):
-            # the walk forms o from the states it holds and the kept A: no launch reads the states
-            # back, and none are written where the backward forms them again
-            h, _, final, o = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
-                                       output_final_state=output_final_state, q=q, scale=scale, keep_h=keep,
-                                       scores=A)
-        else:
-            h, _, final = state_fwd(k, v, plan, gk=gk, initial_state=initial_state,
-                                    output_final_state=output_final_state)
-            o = vector_gate_output(q, v, gk, A, h, plan, scale=scale)
+        h, final, o = states_and_output(q, k, v, gk, A, plan, scale=scale, initial_state=initial_state,
+                                        output_final_state=output_final_state, keep_h=keep)
         # the cumulative gate in place of the raw one (the backward needs only it): the same memory,
         # no second cumsum pass over [B, T, H, K] fp32
         kept = (h,) if keep else ()
@@ -94,16 +115,9 @@ class ChunkGLAFunction(torch.autograd.Function):
                                 lambda: state_fwd(k, v, plan, gk=gk, initial_state=initial_state)[0], q.device)
         # the caller's buffers for dq, dk and dv (the column blocks of its projections' gradient)
         into = ctx.grads_into() if ctx.grads_into is not None else (None, None, None)
-        dht = None if dht is None else dht.contiguous()
-        if walk_forms_dv_dA(q.shape[3], plan, q.shape[2], q.device, gk=gk):
-            # the walk forms the intra-chunk dv and dA from the do tiles it loads anyway, A and v
-            dh, dh0, dv, dA = state_bwd(q, k, do, None, plan, scale=scale, gk=gk, dht=dht,
-                                        need_dh0=initial_state is not None, dv_out=into[2], intra_dv=True,
-                                        scores=A, values=v)
-        else:
-            dv_intra, dA = vector_gate_dv_dA(A, v, do, plan, scale=scale)
-            dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, gk=gk, dht=dht,
-                                    need_dh0=initial_state is not None, dv_out=into[2])
+        dh, dh0, dv, dA = state_gradients(q, k, v, gk, A, do, plan, scale=scale,
+                                          dht=None if dht is None else dht.contiguous(),
+                                          need_dh0=initial_state is not None, dv_out=into[2])
         dq_intra, dk_intra = vector_gate_intra_bwd(q, k, gk, dA, plan)
         dq, dk, dg = vector_gate_bwd_dqkg(q, k, v, gk, states(), dh, do, dq_intra, dk_intra, plan, scale=scale,
                                           logits=None if z is None else (z, *ctx.gate_logits),

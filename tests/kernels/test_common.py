@@ -246,7 +246,7 @@ def test_vector_gate_walk_forms_dv_and_dA(monkeypatch, B, T, cu, K, V):
     """GLA's backward walk forms ``vector_gate_dv_dA``'s intra-chunk dv (completed by ``k dh``) and
     dA over whole value rows: the same dh, dh0, dv and dA as the launch and the walk (an initial
     state's and a final state's gradient, packed sequences, decays of up to e^-300 in a chunk);
-    refused without gk, A or where ``walk_forms_dv_dA`` does not hold."""
+    refused without gk or A, with value blocks narrower than V, and on the two-level pass."""
     from ttr.kernels.common import index, state
     from ttr.kernels.common import intra_vector_gate as vg
 
@@ -276,9 +276,9 @@ def test_vector_gate_walk_forms_dv_and_dA(monkeypatch, B, T, cu, K, V):
     monkeypatch.setitem(index.TUNING, "state_bwd", {"BV": 16})
     with pytest.raises(ValueError, match="whole value rows"):
         state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, scores=A, values=v)
-    monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": False})
+    monkeypatch.setitem(index.TUNING, "state_bwd", {"two_level": True})
     assert not state.walk_forms_dv_dA(K, plan, H, q.device, gk=gkc)
-    with pytest.raises(ValueError, match="walk_forms_dv_dA"):
+    with pytest.raises(ValueError, match="not the two-level pass"):
         state_bwd(q, k, do, None, plan, scale=scale, gk=gkc, intra_dv=True, scores=A, values=v)
 
 
