@@ -86,7 +86,7 @@ def delta_stage_calls(B: int, T: int, gated: bool, device) -> dict[str, Callable
         "output_bwd_dqk": lambda: output_bwd_dqk(q, k, vn, h, dh, do, plan, scale=scale, g=gc, dv=dv2),
         "wy_bwd": lambda: wy_bwd(k, v, beta, Ai, dw, dv2, plan, g=gc, dk=dk, dg=dg),
         # the backward's walk that forms the states again from the kept v_new (without w)
-        "state_fwd_again": lambda: state_fwd(k, vn, plan, g=gc),
+        "state_fwd_again": lambda: state_fwd(k, vn, plan, g=gc, again=True),
     })
     if gated:
         calls["cumsum"] = lambda: chunk_local_cumsum(g, plan)
@@ -163,10 +163,10 @@ SSD_G8_STAGE_SHAPE = Shape("ssd", 64, 64, 64, groups=8)
 def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[str, Callable]:
     """One closure per stage of chunk_ssd's forward and backward at ``shape`` (default
     ``SSD_STAGE_SHAPE``), on bf16 inputs; the keys of the grouped stages are their tuning names.
-    ``state_fwd_y`` is the walk forming y, ``state_fwd`` the walk alone; the total leaves out the
-    forward the op does not take at this shape (``chunk.walk_forms_ssd_output``) and counts the
-    walk alone once (the op also runs it in the backward where the forward did not keep the
-    states), or not at all where the walk forming y keeps them."""
+    ``state_fwd_y`` is the walk forming y, ``state_fwd`` the forward's walk alone and
+    ``state_fwd_again`` the backward's (the same walk, tuned apart); the total leaves out the forward
+    the op does not take at this shape (``chunk.walk_forms_ssd_output``) and the backward's walk
+    where the forward keeps the states."""
     from ttr.kernels.common.cumsum import chunk_local_cumsum
     from ttr.kernels.common.index import keep_states, prepare_chunks
     from ttr.kernels.common.state import state_bwd, state_fwd
@@ -190,6 +190,7 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
         "cumsum": lambda: chunk_local_cumsum(dt, plan, scale=A),
         "state_fwd_y": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt, q=C, skip=D, keep_h=keep_states(plan)),
         "state_fwd": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt),
+        "state_fwd_again": lambda: state_fwd(Bm, xs, plan, g=gc, u_scale=dt, again=True),
         "ssd_cb": lambda: grouped.cb_fwd(C, Bm, plan),
         "ssd_output_fwd": lambda: grouped.output_fwd(C, xs, dt, h, cb, gc, plan, D=D),
         "state_bwd": lambda: state_bwd(C, Bm, do, None, plan, scale=1.0, g=gc),
@@ -197,9 +198,9 @@ def ssd_stage_calls(B: int, T: int, device, shape: Shape | None = None) -> dict[
         "ssd_rows_bwd": lambda: grouped.rows_bwd(Bm, xs, dt, A, D, dh, cb, gc, do, terms, plan),
     })
     walk_y = walk_forms_ssd_output(shape.K, shape.V, plan, shape.H, xs.device)
-    off = {"ssd_output_fwd"} if walk_y else {"state_fwd_y"}
-    if walk_y and keep_states(plan):
-        off.add("state_fwd")
+    off = {"ssd_output_fwd", "state_fwd"} if walk_y else {"state_fwd_y"}
+    if keep_states(plan):
+        off.add("state_fwd_again")
     calls.off_path = frozenset(off)
     return calls
 
@@ -227,6 +228,10 @@ STATE_WALK_SWEEP = {
     "state_bwd": [dict(two_level=False, num_warps=8, num_stages=ns, BV=bv) for ns, bv in ((1, 64), (2, 32), (3, 32))]
     + [dict(two_level=False, BV=32, num_warps=4, num_stages=2)],
 }
+# the backward's walk forming the states again (no w, no output): every width of value block (BV 128
+# only on 2 stages, which is all its tiles leave room for), 4 or 8 warps, 2 or 3 stages
+STATE_AGAIN_SWEEP = [dict(BV=bv, num_warps=nw, num_stages=ns) for bv in (32, 64, 128) for nw in (4, 8)
+                     for ns in (2, 3) if bv < 128 or ns == 2]
 # the WY forward's products on 2 or 8 warps and its inverse on 2 or 4; the dq/dk stage in two K blocks
 # on 4 or 8 warps or one on 8 (the delta rule's default, the gated one's alternative)
 DELTA_SWEEP = {
@@ -237,6 +242,7 @@ DELTA_SWEEP = {
     # in two K blocks on 4 warps (the gated default) with deeper pipelines, over value blocks of 64 or 32
     + [dict(BK=64, BV=bv, num_warps=4, num_stages=ns) for bv, ns in ((64, 4), (32, 3), (32, 4), (32, 6))],
     **STATE_WALK_SWEEP,
+    "state_fwd_again": STATE_AGAIN_SWEEP,
     # the forward walk forming the output or an output launch after it (``state.walk_forms_output``)
     "state_fwd": STATE_WALK_SWEEP["state_fwd"] + [dict(output=o, num_warps=nw, num_stages=ns) for o in (True, False)
                                                   for nw in (4, 8) for ns in (2, 3)],
@@ -322,6 +328,7 @@ SWEEPS = {
         + [dict(two_level=False, BV=16, num_warps=nw, num_stages=3) for nw in (2, 4)],
         "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"]
         + [dict(two_level=False, BV=16, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (2, 3)],
+        "state_fwd_again": STATE_AGAIN_SWEEP,
     },
     "simple_gla": {
         # BK 32 is left out: an illegal memory access on Hopper (Triton 3.6), not reproduced by the interpreter

@@ -497,9 +497,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
 
 def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool,
                  forms: bool = False):
-    """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd" / "state_bwd"):
-    ``_state_blocks``' heuristic, with ``TUNING[stage]`` over it and the one wrong launch refused
-    (``_checked``), except for the split state's single launch."""
+    """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd", "state_fwd_again",
+    "state_bwd"): ``_state_blocks``' heuristic, ``TUNING[stage]`` over it, the one wrong launch refused
+    (``_checked``) except for the split state's single launch."""
     BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
                                    stage == "state_bwd", walk, gate, forms)
     return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))
@@ -551,10 +551,8 @@ def _two_level(stage: str, w: torch.Tensor | None, plan: ChunkPlan, gk: torch.Te
 def _sequential_cfg(stage: str, **defaults) -> dict:
     """The sequential kernels' launch parameters (the path switches are not among them)."""
     cfg = tuned(stage, **defaults)
-    cfg.pop("two_level", None)
-    cfg.pop("intra_dv", None)
-    cfg.pop("output", None)
-    cfg.pop("scores", None)
+    for switch in ("two_level", "intra_dv", "output", "scores"):
+        cfg.pop(switch, None)
     return cfg
 
 
@@ -671,7 +669,7 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
               q: torch.Tensor | None = None, scale: float = 1.0, keep_h: bool = True,
-              scores: torch.Tensor | None = None, skip: torch.Tensor | None = None):
+              scores: torch.Tensor | None = None, skip: torch.Tensor | None = None, again: bool = False):
     """Returns ``(h [NT,H,K,V] in k.dtype, v_new (u itself without w), final_state fp32 or None)``; k may
     have fewer heads than u, each shared by H / HK consecutive heads (``tile.qk_rows``).
     ``u_scale`` (``[B, T, H]`` fp32, not with ``w``): the values are ``u * u_scale[..., None]``, scaled
@@ -687,7 +685,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     ``u_scale`` nor ``skip``). ``keep_h=False``: h is not needed after the call and is not written
     (None). ``scores`` (with ``q``): the chunks' ``q k^T ⊙ causal ⊙ Γ`` that ``wy.wy_fwd(..., q=q)``
     formed, which the walk then reads instead of forming them (``walk_reads_scores``). With ``gk``
-    (GLA) ``scores`` is ``vector_gate_scores``' A and o ``vector_gate_output``'s, by the walk only."""
+    (GLA) ``scores`` is ``vector_gate_scores``' A and o ``vector_gate_output``'s, by the walk only.
+    ``again``: a backward's walk forming the states again, launched as TUNING's ``state_fwd_again``."""
     if u_scale is not None and w is not None:
         raise ValueError("state_fwd: u_scale is for passes without w (the delta rule's v_new is u - w h)")
     if q is not None and gk is not None and scores is None:
@@ -712,7 +711,8 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
     N = plan.num_seqs
-    BK, split, cfg = _walk_launch("state_fwd", k, V, N * H, _walk(w, gk), g is not None, q is not None)
+    BK, split, cfg = _walk_launch("state_fwd_again" if again else "state_fwd", k, V, N * H, _walk(w, gk),
+                                  g is not None, q is not None)
     store_h = keep_h or q is None
     h = k.new_empty(plan.num_chunks, H, K, V) if store_h else None
     v_new = torch.empty_like(u) if w is not None else u

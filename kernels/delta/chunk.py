@@ -89,7 +89,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             w, h, v_new = kept
         elif kept:
             w, v_new = kept
-            h = None if ctx.states == "dqk_walk" else state_fwd(k, v_new, plan, g=g_cum, initial_state=h0)[0]
+            h = None
+            if ctx.states != "dqk_walk":
+                h = state_fwd(k, v_new, plan, g=g_cum, initial_state=h0, again=True)[0]
         else:
             w, u, _, *again = wy_fwd(k, v, beta, plan, g=g_cum, Ai=Ai, q=q if ctx.scored else None)
             scores = again[0] if again else None

@@ -111,8 +111,10 @@ class ChunkGLAFunction(torch.autograd.Function):
         plan, scale = ctx.plan, ctx.scale
         do = do.contiguous()
         # the states formed again beside the stages up to dq/dk, which do not read them (``overlap``)
-        states = kept_or_beside(kept[0] if kept else None,
-                                lambda: state_fwd(k, v, plan, gk=gk, initial_state=initial_state)[0], q.device)
+        def again():
+            return state_fwd(k, v, plan, gk=gk, initial_state=initial_state, again=True)[0]
+
+        states = kept_or_beside(kept[0] if kept else None, again, q.device)
         # the caller's buffers for dq, dk and dv (the column blocks of its projections' gradient)
         into = ctx.grads_into() if ctx.grads_into is not None else (None, None, None)
         dh, dh0, dv, dA = state_gradients(q, k, v, gk, A, do, plan, scale=scale,

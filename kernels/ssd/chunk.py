@@ -90,7 +90,7 @@ def _backward(q, k, v, gc, initial_state, h, do, dht, plan, scale):
     cumulative-gate space (``chunk_local_cumsum(dgc, reverse=True)`` turns it into the gate's)."""
     do = do.contiguous()
     if h is None:
-        h = state_fwd(k, v, plan, g=gc, initial_state=initial_state)[0]
+        h = state_fwd(k, v, plan, g=gc, initial_state=initial_state, again=True)[0]
     dv_intra = output_bwd_dv(q, k, do, plan, scale=scale, g=gc)
     dh, dh0, dv = state_bwd(q, k, do, dv_intra, plan, scale=scale, g=gc,
                             dht=None if dht is None else dht.contiguous(), need_dh0=initial_state is not None)
@@ -161,7 +161,7 @@ def _ssd_backward(x, dt, A, B, C, D, initial_state, gc, h, cb, do, dht, plan):
     dtype; dx, ddt, dA and dD from ``grouped.rows_bwd``."""
     do = do.contiguous()
     if h is None:
-        h = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state)[0]
+        h = state_fwd(B, x, plan, g=gc, u_scale=dt, initial_state=initial_state, again=True)[0]
     dht = None if dht is None else dht.contiguous()
     dh, dh0, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc, dht=dht, need_dh0=initial_state is not None)
     dC, dB, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)

@@ -222,6 +222,27 @@ def test_path_switch(monkeypatch):
     assert calls == []
 
 
+def test_walk_again_takes_its_own_launch(monkeypatch):
+    """``state_fwd(..., again=True)`` (a backward forming the states again) is launched as TUNING's
+    ``state_fwd_again``, not the forward's ``state_fwd``, and forms the same states and final state
+    under either key's launch."""
+    stages = []
+    launch = state._sequential_cfg
+    monkeypatch.setattr(state, "_sequential_cfg", lambda stage, **cfg: stages.append(stage) or launch(stage, **cfg))
+    x, plan = make(1, 150, 2, 16, 32, "g", cu=[0, 70, 150])
+    args = (x["k"], x["v"], plan)
+    kw = dict(g=x["g_cum"], initial_state=x["h0"], output_final_state=True)
+    with sequential():
+        fwd = state_fwd(*args, **kw)
+        again = state_fwd(*args, **kw, again=True)
+    assert stages == ["state_fwd", "state_fwd_again"]
+    assert torch.equal(fwd[0], again[0]) and torch.equal(fwd[2], again[2])
+    monkeypatch.setitem(TUNING, "state_fwd", {"two_level": False})
+    monkeypatch.setitem(TUNING, "state_fwd_again", {"BV": 16, "num_warps": 2, "num_stages": 2})
+    h, _, final = state_fwd(*args, **kw, again=True)
+    assert rel_rms(h, fwd[0]) < 1e-6 and rel_rms(final, fwd[2]) < 1e-6
+
+
 def test_path_heuristic(monkeypatch):
     """Long sequences (on average >= TWO_LEVEL_MIN_CHUNKS chunks) take the two-level pass, short
     ones the sequential walk; the forward with a scalar gate and the delta rules (w) always walk,
