@@ -38,13 +38,12 @@ Choosing the path: without ``w``, the two-level pass runs when the sequences ave
 ``TWO_LEVEL_MIN_CHUNKS`` chunks (where it starts to win; shorter sequences fill the GPU with the
 sequential walk, which moves 2 - 3x fewer bytes), except with a scalar gate (or none): its forward
 walks at every length, its backward unless few (sequence, head) pairs share the GPU
-(``_two_level``);
-``index.TUNING["state_fwd"] = {"two_level": False or True}`` (and ``"state_bwd"``) forces either
-(both paths agree to rounding). Launch
-parameters of the two-level kernels are tuned under "state_fwd_chunk", "state_fwd_scan",
-"state_bwd_chunk", "state_bwd_scan" ({"BK", "BV", "num_warps", "num_stages"}; the scan tile is
-``[BK, BV]``) and "state_bwd_dv"; those of the sequential kernels under "state_fwd" and
-"state_bwd" ({"BV", "num_warps", "num_stages"}).
+(``_two_level``); ``index.TUNING["state_fwd"] = {"two_level": False or True}`` (and ``"state_bwd"``)
+forces either (both paths agree to rounding). Launch parameters of the two-level kernels are tuned
+under "state_fwd_chunk", "state_fwd_scan", "state_bwd_chunk", "state_bwd_scan" ({"BK", "BV",
+"num_warps", "num_stages"}; the scan tile is ``[BK, BV]``) and "state_bwd_dv"; those of the
+sequential kernels under "state_fwd", "state_fwd_again" (a backward's walk forming the states
+again) and "state_bwd" ({"BV", "num_warps", "num_stages"}).
 """
 
 from __future__ import annotations
@@ -439,7 +438,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     forms the output (``forms``) loads q's and A's tiles too, 48 KB a stage at GLA-1.3B's K = 64, BV =
     64: it runs 2 stages (two programs per SM) where the grid needs them, else 3 (H200: 2 faster at 8 x
     2048 and 8 x 4096, 3 at 4 x 4096). Its backward walk forming dv and dA takes whole value rows on 2
-    stages (3 timed faster alone, not in gla-1.3b's step; docs/benchmarks.md, launch choices).
+    stages (3 timed faster alone, not in gla-1.3b's step; docs/benchmarks.md, launch choices). A scalar
+    gate's forward walk of the states alone at K <= 64 runs 2 stages where the grid holds three
+    programs per SM or more, so that two share an SM (H200: SSD's at N = 64, 8 x 2048, not 4 x 4096).
 
     K > 128 (the split state) runs only as BV = 64, 4 warps, 1 stage: on the H200 with Triton 3.6
     every split launch with BV = 16 or 32, or with 8 warps, gave wrong bf16 states or an illegal
@@ -488,8 +489,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
     # the backward walk forming dA loads A's and v's tiles too: 72 KB a stage at K = 64, V = 128
-    two_per_sm = forms and programs_per_vblock * cdiv(V, BV) > sms
-    if rows or not backward and walk == "vector" and (num_warps == 8 or two_per_sm):
+    programs = programs_per_vblock * cdiv(V, BV)
+    states_only = not backward and walk == "scalar" and not forms and KP <= 64 and programs >= 3 * sms
+    if rows or states_only or not backward and walk == "vector" and (num_warps == 8 or forms and programs > sms):
         num_stages = min(num_stages, 2)
     cap = {"maxnreg": 168} if backward and walk == "scalar" else {}
     return BK, split, dict(BV=BV, num_warps=num_warps, num_stages=num_stages, **cap)
@@ -497,9 +499,8 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
 
 def _walk_launch(stage: str, k: torch.Tensor, V: int, programs_per_vblock: int, walk: str, gate: bool,
                  forms: bool = False):
-    """``(BK, split, launch)`` of the sequential pass ``stage`` ("state_fwd", "state_fwd_again",
-    "state_bwd"): ``_state_blocks``' heuristic, ``TUNING[stage]`` over it, the one wrong launch refused
-    (``_checked``) except for the split state's single launch."""
+    """``(BK, split, launch)`` of the sequential pass ``stage``: ``_state_blocks``' heuristic under
+    ``TUNING[stage]``, the one wrong launch refused (``_checked``) except the split state's."""
     BK, split, cfg = _state_blocks(k.shape[3], V, programs_per_vblock, k.device, k.element_size(),
                                    stage == "state_bwd", walk, gate, forms)
     return BK, split, (cfg if split else _checked(_sequential_cfg(stage, **cfg), k.element_size()))

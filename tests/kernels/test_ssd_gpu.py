@@ -41,7 +41,8 @@ def inputs(b, t, h, groups, n_state, p, dtype, n):
      (2, 2048, 16, 8, 64, 64, None), (1, 1000, 4, 1, 32, 32, [0, 1, 500, 1000]), (2, 1024, 4, 1, 16, 32, None),
      (2, 1024, 4, 1, 8, 16, None), (2, 1024, 4, 1, 48, 64, None),
      (2, 1024, 8, 2, 96, 96, None),  # not a power of two: masked tiles
-     (1, 6400, 8, 1, 32, 32, list(range(0, 6401, 100)))],  # 64 documents: the launches a full grid picks
+     (1, 6400, 8, 1, 32, 32, list(range(0, 6401, 100))),  # 64 documents: the launches a full grid picks
+     (8, 512, 64, 8, 64, 64, None)],  # 512 walks: the backward's walk of the states on 2 stages
     ids=lambda s: "x".join(str(d) for d in s[:6]) + ("-packed" if s[6] else ""),
 )
 def test_ssd_vs_float64(shape, dtype):

@@ -269,8 +269,8 @@ def test_walk_launch_heuristic(monkeypatch):
     """The sequential walk's launch on a 132-SM GPU: BV about one program per SM, 8 warps for the
     backward's wide tiles; the scalar gate's backward at K <= 64 on 8 warps and BV <= 32 while
     fewer than two programs of BV = 64 per SM (SSD at N = 64: 64 and 128 (sequence, head) pairs),
-    and not with w, a vector gate, K = 128 or a full grid; DeltaNet's backward over rows of 128
-    values at a full grid."""
+    and not with w, a vector gate, K = 128 or a full grid, and its forward walk at K <= 64 on 2
+    stages from three programs per SM; DeltaNet's backward over rows of 128 values at a full grid."""
     monkeypatch.setattr(state, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
 
@@ -284,6 +284,13 @@ def test_walk_launch_heuristic(monkeypatch):
     assert blocks(64, 64, 128, True, "scalar") == (32, 8, 3)
     assert blocks(64, 64, 512, True, "scalar") == (64, 4, 3)
     assert blocks(64, 64, 64, False, "scalar") == (32, 4, 3)  # the forward keeps its launch
+    # the scalar gate's walk of the states alone at K <= 64 on 2 stages from three programs per SM (SSD
+    # at N = 64: 512 (sequence, head) pairs at 8 x 2048), so that two share an SM; not below, not at
+    # K = 128, not the walk forming the output
+    assert blocks(64, 64, 512, False, "scalar") == (64, 4, 2)
+    assert blocks(64, 64, 256, False, "scalar") == (64, 4, 3)
+    assert blocks(128, 64, 512, False, "scalar") == (64, 8, 3)
+    assert state._state_blocks(64, 64, 512, cuda, 2, False, "scalar", forms=True)[2]["num_stages"] == 3
     assert blocks(64, 64, 128, True, "delta") == (64, 4, 3)
     # DeltaNet's backward over whole rows of 128 values once one program per (sequence, head) fills
     # the GPU; not with half a grid, a gate, fp32, a forward or K beyond one block of 128
