@@ -27,8 +27,8 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   -> (dk, dv, dbeta, dg)``: adds the WY gradients to ``dk`` (fp32 partial or None) and to ``dg``
   (cumulative-gate space) and returns ``dg`` already mapped back to the raw gate (reverse cumsum).
 - ``state.state_fwd(k, u, plan, *, w=None, g=None, gk=None, u_scale=None, initial_state=None,
-  output_final_state=False, q=None, scale=1.0, keep_h=True, scores=None, skip=None) -> (h, v_new,
-  final_state)``: ``h[c]``
+  output_final_state=False, q=None, scale=1.0, keep_h=True, scores=None, skip=None, again=False) -> (h,
+  v_new, final_state)``: ``h[c]``
   is the state before chunk c; ``v_new = u - w h`` (``v_new is u`` without ``w``); the state update is
   ``h <- exp(g_last) h + (k ⊙ exp(g_last - g))^T v_new`` (per key row with ``gk``). ``u_scale``
   (``[B,T,H]``, without ``w``) scales u's rows inside the pass (SSD's ``v = x dt``; v_new None).
@@ -37,7 +37,8 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   ``[H]``: plus ``skip[h] u``, SSD's ``D x``; with ``gk``, GLA's o from ``scores`` its A, by the
   walk only); ``state.walk_forms_output`` says when the delta rules and GLA ask it to,
   ``ssd.chunk.walk_forms_ssd_output`` when SSD does, ``state.walk_can_form_output`` where the walk
-  can (else the output launch, which takes neither ``u_scale`` nor ``skip``).
+  can (else the output launch, which takes neither ``u_scale`` nor ``skip``). ``again``: a
+  backward's walk forming the states again, tuned apart from the forward's walk.
 - ``state.state_bwd(q, k, do, dv, plan, *, scale, w=None, g=None, gk=None, dht=None,
   need_dh0=False, intra_dv=False, scores=None, dv_out=None, values=None) -> (dh, dh0, dv2)``:
   ``dh[c]`` is the gradient of the state

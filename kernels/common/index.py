@@ -224,8 +224,9 @@ def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bo
     return plan.num_chunks >= min_chunks * plan.num_seqs
 
 
-# Launch-parameter overrides per stage ("state_fwd", "state_bwd", "wy_inverse", "wy_fwd", "wy_bwd", "output_fwd",
-# "output_bwd_dv", "output_bwd_dqk", "output_bwd_dqk_walk") -> {"BV": .., "num_warps": .., "num_stages": ..}
+# Launch-parameter overrides per stage ("state_fwd", "state_fwd_again", "state_bwd", "wy_inverse", "wy_fwd",
+# "wy_bwd", "output_fwd", "output_bwd_dv", "output_bwd_dqk", "output_bwd_dqk_walk") -> {"BV": ..,
+# "num_warps": .., "num_stages": ..}
 # ("output_bwd_dqk_walk" also {"walk": bool}: ``output.dqk_walks``), "overlap" -> {"enabled": False}
 # to run the passes that ``overlap.beside`` puts on a second stream in turn, "qkv_columns" ->
 # {"enabled": False} for the delta rules' q, k and v as three projections and convs
