@@ -326,8 +326,11 @@ SWEEPS = {
         # and narrower value blocks, for the walks of few long sequences (B*H = 64 at 1 x 16384)
         "state_fwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_fwd"]
         + [dict(two_level=False, BV=16, num_warps=nw, num_stages=3) for nw in (2, 4)],
+        # value blocks of 64 on 4 or 8 warps (the launch of a full grid), against the narrower blocks of
+        # a small one
         "state_bwd": [dict(two_level=False), dict(two_level=True)] + STATE_WALK_SWEEP["state_bwd"]
-        + [dict(two_level=False, BV=16, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (2, 3)],
+        + [dict(two_level=False, BV=16, num_warps=nw, num_stages=ns) for nw in (2, 4, 8) for ns in (2, 3)]
+        + [dict(two_level=False, BV=64, num_warps=nw, num_stages=3) for nw in (4, 8)],
         "state_fwd_again": STATE_AGAIN_SWEEP,
     },
     "simple_gla": {
