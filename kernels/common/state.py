@@ -448,13 +448,13 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     in bf16 and fp32, forward and backward (docs/benchmarks.md, "Known caveats").
 
     The backward with a scalar gate at K <= 64 walks on 8 warps with BV <= 32 while the grid is
-    small (fewer than two programs of BV = 64 per SM): its steps are short, and the sequential walk
+    small (fewer than 1.5 programs of BV = 64 per SM): its steps are short, and the sequential walk
     is bound by each step's latency, which more warps over narrower tiles hide. On an H200 (SSD at
-    H = 64, K = V = 64, bf16) it timed faster at 1 x 16384 and 2 x 8192, where at 8 x 2048 (512
-    programs) BV 64 on 4 warps stays ahead; at K = 128 the 8-warp launch measured no better. That
-    backward (a scalar gate, any K up to 128) also launches under a register cap of 168, timed
-    faster where few programs walk long sequences (SSD at 1 x 16384, K = 128 and 64; unchanged at
-    8 x 2048; docs/benchmarks.md, launch choices); the delta rules' and GLA's walks lose under it.
+    H = 64, K = V = 64, bf16) it timed faster at 1 x 16384 and 2 x 8192, where at 4 x 4096 and 8 x
+    2048 (256 and 512 programs) BV 64 on 4 warps is ahead; at K = 128 the 8-warp launch measured no
+    better. That backward (a scalar gate, any K up to 128) also launches under a register cap of 168,
+    timed faster where few programs walk long sequences (SSD at 1 x 16384, K = 128 and 64; unchanged
+    at 8 x 2048; docs/benchmarks.md, launch choices); the delta rules' and GLA's walks lose under it.
     It compiles to 100 - 120 registers with or without the cap (``kernel_resources``), so the cap
     changes ptxas's schedule, not the programs per SM.
 
@@ -484,7 +484,7 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
     if split:
         return BK, split, dict(BV=64, num_warps=4, num_stages=1)
     num_warps = 8 if (KP * BV >= 128 * 64 if backward else walk != "delta" and KP >= 128) else 4
-    if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * cdiv(V, 64) < 2 * sms:
+    if backward and walk == "scalar" and KP <= 64 and programs_per_vblock * cdiv(V, 64) < 1.5 * sms:
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)

@@ -268,7 +268,7 @@ def test_path_heuristic(monkeypatch):
 def test_walk_launch_heuristic(monkeypatch):
     """The sequential walk's launch on a 132-SM GPU: BV about one program per SM, 8 warps for the
     backward's wide tiles; the scalar gate's backward at K <= 64 on 8 warps and BV <= 32 while
-    fewer than two programs of BV = 64 per SM (SSD at N = 64: 64 and 128 (sequence, head) pairs),
+    fewer than 1.5 programs of BV = 64 per SM (SSD at N = 64: 64 and 128 (sequence, head) pairs),
     and not with w, a vector gate, K = 128 or a full grid, and its forward walk at K <= 64 on 2
     stages from three programs per SM; DeltaNet's backward over rows of 128 values at a full grid."""
     monkeypatch.setattr(state, "sm_count", lambda device: 132)
@@ -282,6 +282,7 @@ def test_walk_launch_heuristic(monkeypatch):
 
     assert blocks(64, 64, 64, True, "scalar") == (32, 8, 3)
     assert blocks(64, 64, 128, True, "scalar") == (32, 8, 3)
+    assert blocks(64, 64, 256, True, "scalar") == (64, 4, 3)  # 4 x 4096
     assert blocks(64, 64, 512, True, "scalar") == (64, 4, 3)
     assert blocks(64, 64, 64, False, "scalar") == (32, 4, 3)  # the forward keeps its launch
     # the scalar gate's walk of the states alone at K <= 64 on 2 stages from three programs per SM (SSD
