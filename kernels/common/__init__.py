@@ -57,8 +57,10 @@ C, read in place by ``tile.qk_rows``); dq and dk come back per head, for the cal
   dw = -dv h^T when ``dv`` (the full ``dv2``) is given, dg in cumulative-gate space (fp32). With
   ``h=None`` (no gate; ``output.dqk_walks`` says when) it walks the chunks and forms the states
   from ``h0`` as it goes.
+- ``two_level``: the state pass of long sequences without ``w`` that ``state_fwd`` / ``state_bwd``
+  choose (``chunk_terms``, ``scan``, ``dv_with_states``; ``state``'s module docstring says when).
 - ``tile.tile(base, r0, c0, n_r, n_c, s_r, s_c, BR, BC) -> (pointers, mask)``: pointer tiles
-  (Triton 3.9 removed block pointers).
+  (Triton 3.9 removed block pointers), and ``tile.load_tile`` / ``tile.store_tile`` over them.
 - ``overlap.beside(fn, device) -> join``: ``fn``'s launches on a second CUDA stream after the work
   queued so far, ``join()`` their result once the current stream has waited for them (at once off
   the GPU); GLA's backward forms its states again this way (``overlap``'s docstring says why only it).

@@ -19,12 +19,12 @@ Two implementations:
   (``BK = next_pow2(K)``, two halves of 128 beyond 128). Per step every program re-reads the
   chunk's k (and gate) tile, so the walk's time grows with the chunks of the longest sequence
   and, at small B*H, is latency- rather than bandwidth-bound.
-- Two-level (without ``w``, for long sequences: GLA, simple GLA / SSD, no gate), as Mamba2's SSD does it
-  (chunk_state + state_passing). Without ``w`` the recursion is element-wise in the state,
-  ``h[c+1] = a_c ⊙ h[c] + ΔS_c`` with ``a_c = exp(g_last)`` (a scalar) or ``exp(gk_last)``
-  (per key row) and ``ΔS_c = (k ⊙ exp(g_last - g))^T v`` (no matrix product depends on the
-  chain), so (1) ``state_chunk_kernel`` computes every ``ΔS_c`` in parallel over chunks, heads and
-  K/V blocks (fp32 ``[NT, H, K, V]``, transient), and (2) ``state_scan_kernel`` walks the chunks
+- Two-level (``two_level.py``; without ``w``, for long sequences: GLA, simple GLA / SSD, no gate),
+  as Mamba2's SSD does it (chunk_state + state_passing). Without ``w`` the recursion is element-wise
+  in the state, ``h[c+1] = a_c ⊙ h[c] + ΔS_c`` with ``a_c = exp(g_last)`` (a scalar) or
+  ``exp(gk_last)`` (per key row) and ``ΔS_c = (k ⊙ exp(g_last - g))^T v`` (no matrix product
+  depends on the chain), so (1) ``state_chunk_kernel`` computes every ``ΔS_c`` in parallel over
+  chunks, heads and K/V blocks (fp32 ``[NT, H, K, V]``, transient), and (2) ``state_scan_kernel`` walks the chunks
   per (sequence, head, small K x V tile) with only an fma per step; its loads do not depend on the
   chain, so the loop is software-pipelined (``tl.range(num_stages=...)``). The backward is the
   same pair in reverse, ``ΔD_c = scale (q ⊙ exp(g))^T do`` and ``dh[c-1] = a_c ⊙ dh[c] + ΔD_c``,
@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ttr.kernels.common import two_level as two_level_pass
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import (
     ChunkPlan,
@@ -63,30 +64,7 @@ from ttr.kernels.common.index import (
     tuned,
 )
 from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
-from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
-
-
-@triton.jit
-def _load_half(p, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
-    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
-    return tl.load(p_x, mask=m_x, other=0.)
-
-
-@triton.jit
-def _store_half(p, b, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
-    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
-    tl.store(p_x, b.to(p_x.dtype.element_ty), mask=m_x)
-
-
-@triton.jit
-def _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-              BK: tl.constexpr):
-    """``k^T ⊙ exp(gk_last - gk)`` for rows k0 .. k0+BK of the key dim, and ``exp(gk_last)``."""
-    o_k = k0 + tl.arange(0, BK)
-    b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
-    b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
-    b_kd = (b_k * fast_exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
-    return b_kd, fast_exp(b_gkl), b_gk
+from ttr.kernels.common.tile import decay_kT, load_tile, qk_rows, store_tile
 
 
 @triton.jit
@@ -113,18 +91,18 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
         b_h2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         p_h0 = h0 + i_nh.to(tl.int64) * K * V
-        b_h += _load_half(p_h0, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+        b_h += load_tile(p_h0, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
         if SPLIT:
-            b_h2 += _load_half(p_h0, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+            b_h2 += load_tile(p_h0, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
     for i_c in range(tl.cdiv(T, BT)):
         if STORE_H:
             p_h = h + ((boh + i_c) * H + i_h) * K * V
-            _store_half(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
+            store_tile(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
             if SPLIT:
-                _store_half(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
+                store_tile(p_h, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
         p_kb = qk_rows(k, bos, i_h, H, HK, K)
-        b_v = _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
-        b_k = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
+        b_v = load_tile(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+        b_k = load_tile(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
         if USE_US:
@@ -132,32 +110,32 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             # products' one rounding instead of as a tensor of their own
             b_v *= tl.load(us + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)[:, None]
         if SPLIT:
-            b_k2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+            b_k2 = load_tile(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
         if USE_GK:
             # before the output's products: its q ⊙ exp(gk) takes the gate's tile from here
-            b_kd, b_dec, b_gkT = _decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            b_kd, b_dec, b_gkT = decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
             if SPLIT:
-                b_kd2, b_dec2, _ = _decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
+                b_kd2, b_dec2, _ = decay_kT(b_k2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
         if OUTPUT:
             # q h with the state before the chunk (rounded as a stored h would be) and q k^T
             tl.static_assert(not SPLIT, "the walk forms the output at K <= 128 (state_fwd)")
-            b_q = _load_half(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
+            b_q = load_tile(qk_rows(q, bos, i_h, H, HK, K), i_c * BT, 0, T, K, HK * K, 1, BT, BK)  # [BT, BK]
             if USE_GK:
                 tl.static_assert(KEPT_S, "with a per-key gate the walk reads the kept scores (state_fwd)")
                 b_q = (b_q.to(tl.float32) * fast_exp(tl.trans(b_gkT))).to(b_q.dtype)  # as vector_gate_output
             b_o = tl.dot(b_q, b_h.to(b_q.dtype))
             if KEPT_S:
-                b_A = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
+                b_A = load_tile(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
             else:
                 b_A = tl.dot(b_q, b_k)
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
-            b_w = _load_half(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
+            b_w = load_tile(p_wb, i_c * BT, 0, T, K, H * K, 1, BT, BK)  # [BT, BK]
             b_v -= tl.dot(b_w, b_h.to(b_w.dtype))
             if SPLIT:
-                b_w2 = _load_half(p_wb, i_c * BT, BK, T, K, H * K, 1, BT, BK)
+                b_w2 = load_tile(p_wb, i_c * BT, BK, T, K, H * K, 1, BT, BK)
                 b_v -= tl.dot(b_w2, b_h2.to(b_w2.dtype))
-            _store_half(v_new + (bos * H + i_h) * V, b_v, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+            store_tile(v_new + (bos * H + i_h) * V, b_v, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
             # the update reads v_new as stored (rounded to its dtype), so that a backward that
             # keeps v_new and walks the chunks again without w forms these states from the same
             # operands (bit for bit where its launch sums the products in the same order)
@@ -170,9 +148,9 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
                                    KEPT_S)
             if USE_SKIP:
                 # u's tile as loaded (a cache hit) rather than held unscaled beside b_v
-                b_o += tl.load(skip + i_h) * _load_half(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
+                b_o += tl.load(skip + i_h) * load_tile(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
                                                         BT, BV).to(tl.float32)
-            _store_half(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
+            store_tile(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_G:
             b_gl = tl.load(g + (bos + last) * H + i_h)
             b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
@@ -191,9 +169,9 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             b_h2 += tl.dot(b_k2, b_v.to(b_k2.dtype))
     if STORE_HT:
         p_ht = ht + i_nh.to(tl.int64) * K * V
-        _store_half(p_ht, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
+        store_tile(p_ht, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
         if SPLIT:
-            _store_half(p_ht, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
+            store_tile(p_ht, b_h2, BK, i_v * BV, K, V, V, 1, BK, BV)
 
 
 @triton.jit
@@ -219,31 +197,31 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
         b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         p_dht = dht + i_nh.to(tl.int64) * K * V
-        b_dh += _load_half(p_dht, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+        b_dh += load_tile(p_dht, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
         if SPLIT:
-            b_dh2 += _load_half(p_dht, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+            b_dh2 += load_tile(p_dht, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
     NC = tl.cdiv(T, BT)
     for i_r in range(NC):
         i_c = NC - 1 - i_r
         p_dh = dh + ((boh + i_c) * H + i_h) * K * V
-        _store_half(p_dh, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
+        store_tile(p_dh, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
         if SPLIT:
-            _store_half(p_dh, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
+            store_tile(p_dh, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
         last = tl.minimum((i_c + 1) * BT, T) - 1
         m_t = i_c * BT + o_i < T
         p_kb = qk_rows(k, bos, i_h, H, HK, K)
         p_qb = qk_rows(q, bos, i_h, H, HK, K)
-        b_kT = _load_half(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
-        b_q = _load_half(p_qb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
+        b_kT = load_tile(p_kb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
+        b_q = load_tile(p_qb, 0, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
         if SPLIT:
-            b_kT2 = _load_half(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
-            b_q2 = _load_half(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
-        b_do = _load_half(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
+            b_kT2 = load_tile(p_kb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+            b_q2 = load_tile(p_qb, BK, i_c * BT, K, T, 1, HK * K, BK, BT)
+        b_do = load_tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
         if INTRA_DV:
             # [j, i] = k_j . q_i, off the chain of dh: only its sum with k dh waits for the chain
             tl.static_assert(not SPLIT, "the walk forms dv at K <= 128 (state_bwd)")
             if KEPT_S:
-                b_S = _load_half(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
+                b_S = load_tile(s + (bos * H + i_h) * BT, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
                 b_dv = tl.dot(tl.trans(b_S), b_do)
                 if not USE_GK:
                     b_dv *= scale
@@ -253,9 +231,9 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
         if FORM_DA:
             # off the chain of dh, from the do tile the step loads anyway and the chunk's values
             tl.static_assert(BV >= V and USE_GK, "dA is formed over whole value rows, with a per-key gate")
-            b_vc = _load_half(v + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)  # [BT, BV]
+            b_vc = load_tile(v + (bos * H + i_h) * V, i_c * BT, 0, T, V, H * V, 1, BT, BV)  # [BT, BV]
             b_dA = tl.where(o_i[:, None] >= o_i[None, :], tl.dot(b_do, tl.trans(b_vc)) * scale, 0.)
-            _store_half(dA + (bos * H + i_h) * BT, b_dA, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
+            store_tile(dA + (bos * H + i_h) * BT, b_dA, i_c * BT, 0, T, BT, H * BT, 1, BT, BT)
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
@@ -264,15 +242,15 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
             b_dec = fast_exp(tl.where(m_t, b_gl - b_g, 0.))
             b_do = (b_do * fast_exp(b_g)[:, None]).to(b_do.dtype)
         if USE_GK:
-            b_kT, b_e, b_gk = _decay_kT(b_kT, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
+            b_kT, b_e, b_gk = decay_kT(b_kT, gk, bos, last, i_c, m_t, i_h, 0, T, H, K, BT, BK)
             b_q = (b_q * fast_exp(b_gk)).to(b_q.dtype)
             if SPLIT:
-                b_kT2, b_e2, b_gk2 = _decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
+                b_kT2, b_e2, b_gk2 = decay_kT(b_kT2, gk, bos, last, i_c, m_t, i_h, BK, T, H, K, BT, BK)
                 b_q2 = (b_q2 * fast_exp(b_gk2)).to(b_q2.dtype)
         if USE_DV:
             # dv2 = dv + (k ⊙ decay) dh: the k^T tile is loaded transposed, so k = trans(load)
             if not INTRA_DV:
-                b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
+                b_dv = load_tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
             b_kdh = tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
             if SPLIT:
                 b_kdh += tl.dot(tl.trans(b_kT2), b_dh2.to(b_kT2.dtype))
@@ -287,7 +265,7 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
             elif not USE_GK:
                 b_kdh = tl.where(m_t[:, None], b_kdh, 0.)
             b_dv += b_kdh
-            _store_half(dv2 + bos * SDV + i_h * V, b_dv, i_c * BT, i_v * BV, T, V, SDV, 1, BT, BV)
+            store_tile(dv2 + bos * SDV + i_h * V, b_dv, i_c * BT, i_v * BV, T, V, SDV, 1, BT, BV)
         if USE_G:
             b_dh *= fast_exp(b_gl)
             if SPLIT:
@@ -301,119 +279,16 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
             b_dh2 += tl.dot(b_q2, b_do.to(b_q2.dtype)) * scale
         if USE_W:
             p_wb = w + (bos * H + i_h) * K
-            b_w = _load_half(p_wb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+            b_w = load_tile(p_wb, 0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
             b_dh -= tl.dot(b_w, b_dv.to(b_w.dtype))
             if SPLIT:
-                b_w2 = _load_half(p_wb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
+                b_w2 = load_tile(p_wb, BK, i_c * BT, K, T, 1, H * K, BK, BT)
                 b_dh2 -= tl.dot(b_w2, b_dv.to(b_w2.dtype))
     if STORE_DH0:
         p_dh0 = dh0 + i_nh.to(tl.int64) * K * V
-        _store_half(p_dh0, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
+        store_tile(p_dh0, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
         if SPLIT:
-            _store_half(p_dh0, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
-
-
-@triton.jit
-def _gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-              BK: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
-    """The chunk's transposed key or query tile ``b_x [BK, BT]`` (key rows k0 .. k0+BK) times
-    ``exp(g_last - g)`` (DECAY: the decayed keys of the state update) or ``exp(g)`` (the gated
-    queries of the state gradient). Every exponent is <= 0; padded tokens (zero columns of b_x)
-    get a finite factor."""
-    last = tl.minimum((i_c + 1) * BT, T) - 1
-    if USE_G:
-        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # [BT]
-        if DECAY:
-            b_g = tl.load(g + (bos + last) * H + i_h) - b_g
-        b_x = (b_x * fast_exp(b_g)[None, :]).to(b_x.dtype)
-    if USE_GK:
-        if DECAY:
-            m_t = i_c * BT + tl.arange(0, BT) < T
-            b_x, _, _ = _decay_kT(b_x, gk, bos, last, i_c, m_t, i_h, k0, T, H, K, BT, BK)
-        else:
-            b_gk = _load_half(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
-            b_x = (b_x * fast_exp(b_gk)).to(b_x.dtype)
-    return b_x
-
-
-@triton.jit
-def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
-                       K: tl.constexpr,
-                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr, USE_YS: tl.constexpr):
-    """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
-    ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g)); with
-    USE_YS the rows of y are scaled by ``ys [B, T, H]`` first (``state_fwd``'s ``u_scale``)."""
-    i_kv, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
-    T = eos - bos
-    b_x = _load_half(qk_rows(x, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
-    b_x = _gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
-    b_y = _load_half(y + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)  # [BT, BV]
-    if USE_YS:
-        o_t = i_c * BT + tl.arange(0, BT)
-        b_y = b_y * tl.load(ys + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)[:, None]
-    b_s = tl.dot(b_x, b_y.to(b_x.dtype)) * scale
-    _store_half(out + (i_t.to(tl.int64) * H + i_h) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
-
-
-@triton.jit
-def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                      USE_GK: tl.constexpr, USE_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
-                      STAGES: tl.constexpr):
-    """``s <- a_c ⊙ s + d[c]`` over the chunks of one sequence for one ``[BK, BV]`` tile, storing
-    ``s`` *before* each step to ``h[c]``: the forward states (chunks in order, s0 the initial
-    state, sT the final one) or, with REVERSE, the state gradients ``dh`` (s0 = dht, sT = dh0)."""
-    i_nh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
-    NC = tl.cdiv(T, BT)
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_k = i_k * BK + tl.arange(0, BK)
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_S0:
-        b_s += _load_half(s0 + i_nh.to(tl.int64) * K * V, i_k * BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
-    # The software pipeliner prefetches the loads of later steps (they do not depend on s); it
-    # skips loads of a scalar, so the scalar gate is read as a [BK, 1] tile of one address.
-    for i_r in tl.range(0, NC, num_stages=STAGES):
-        if REVERSE:
-            i_c = NC - 1 - i_r
-        else:
-            i_c = i_r
-        p_c = ((boh + i_c) * H + i_h) * K * V
-        _store_half(h + p_c, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
-        last = bos + tl.minimum((i_c + 1) * BT, T) - 1
-        if USE_G:
-            b_s *= fast_exp(tl.load(g + last * H + i_h + tl.zeros([BK, 1], dtype=tl.int32)))
-        if USE_GK:
-            b_s *= fast_exp(tl.load(gk + (last * H + i_h) * K + o_k, mask=o_k < K, other=0.))[:, None]
-        b_s += _load_half(d + p_c, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
-    if STORE_ST:
-        _store_half(sT + i_nh.to(tl.int64) * K * V, b_s, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)
-
-
-@triton.jit
-def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, SDV, H: tl.constexpr, HK: tl.constexpr,
-                    K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                    USE_GK: tl.constexpr):
-    """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known); ``SDV`` is
-    dv2's token stride."""
-    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
-    T = eos - bos
-    b_dv = _load_half(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
-    p_dh = dh + (i_t.to(tl.int64) * H + i_h) * K * V
-    for i_k in range(tl.cdiv(K, BK)):
-        b_kT = _load_half(qk_rows(k, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
-        b_kT = _gated_xT(b_kT, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, True)
-        b_dh = _load_half(p_dh, i_k * BK, i_v * BV, K, V, V, 1, BK, BV)  # [BK, BV]
-        # the decayed k^T tile is loaded transposed (as in the sequential backward), so k = trans(load)
-        b_dv += tl.dot(tl.trans(b_kT), b_dh.to(b_kT.dtype))
-    _store_half(dv2 + bos * SDV + i_h * V, b_dv, i_c * BT, i_v * BV, T, V, SDV, 1, BT, BV)
+            store_tile(p_dh0, b_dh2, BK, i_v * BV, K, V, V, 1, BK, BV)
 
 
 def _walk(w, gk) -> str:
@@ -618,54 +493,6 @@ def walk_forms_dv_dA(K: int, plan: ChunkPlan, heads: int, device, *, gk: torch.T
     return walks and bool(tuned("state_bwd", intra_dv=full)["intra_dv"])
 
 
-def _chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, scale: float, decay: bool,
-                 stage: str, y_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``ΔS`` (decay: x = k, y = v, the rows of v times ``y_scale`` when given) or ``ΔD`` (x = q,
-    y = do), fp32 ``[NT, H, K, V]``."""
-    B, T, HK, K = x.shape
-    H, V = y.shape[2:]
-    cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
-    out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
-    grid = (cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), plan.num_chunks, H)
-    state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K,
-                             V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
-                             USE_YS=y_scale is not None, **cfg)
-    return out
-
-
-def _scan(d: torch.Tensor, plan: ChunkPlan, *, g, gk, start, need_end: bool, dtype: torch.dtype, reverse: bool,
-          stage: str):
-    """Walks ``d`` (``_chunk_terms``) over the chunks: ``(h or dh in dtype, final state fp32 or None)``.
-    Small tiles (default ``[32, 32]``: 256 programs at B*H = 16, K = V = 128) so that many programs
-    stream at once; each step is one fma on a tile, so the chain is bound by the loads, which the
-    pipeliner keeps ``num_stages - 1`` steps ahead (4 KB of shared memory per stage at [32, 32])."""
-    NT, H, K, V = d.shape
-    N = plan.num_seqs
-    cfg = tuned(stage, BK=min(32, next_power_of_2(K)), BV=min(32, next_power_of_2(V)), num_warps=4,
-                num_stages=4)
-    h = torch.empty(d.shape, device=d.device, dtype=dtype)
-    end = torch.empty(N, H, K, V, device=d.device, dtype=torch.float32) if need_end else None
-    grid = (N * H, cdiv(K, cfg["BK"]), cdiv(V, cfg["BV"]))
-    state_scan_kernel[grid](d, g, gk, h, start, end, plan.cu_seqlens, plan.chunk_offsets, H=H, K=K, V=V,
-                            BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, USE_S0=start is not None,
-                            STORE_ST=need_end, REVERSE=reverse, STAGES=cfg["num_stages"], **cfg)
-    return h, end
-
-
-def _dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: ChunkPlan, *, g, gk,
-                    out: torch.Tensor | None) -> torch.Tensor:
-    B, T, HK, K = k.shape
-    H, V = dv.shape[2:]
-    # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
-    cfg = tuned("state_bwd_dv", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4, num_stages=2)
-    dv2 = torch.empty_like(dv) if out is None else out
-    state_dv_kernel[(cdiv(V, cfg["BV"]), plan.num_chunks, H)](
-        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, token_stride("dv_out", dv2, dv.shape),
-        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
-        USE_G=g is not None, USE_GK=gk is not None, **cfg)
-    return dv2
-
-
 def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Tensor | None = None,
               g: torch.Tensor | None = None, gk: torch.Tensor | None = None, u_scale: torch.Tensor | None = None,
               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -705,9 +532,10 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
         return h, v_new, ht, output_fwd(q, k, v_new, h, plan, scale=scale, g=g)
     two_level = _two_level("state_fwd", w, plan, gk, heads=u.shape[2])
     if two_level:
-        dS = _chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk", y_scale=u_scale)
-        h, ht = _scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state, dtype=k.dtype,
-                      reverse=False, stage="state_fwd_scan")
+        dS = two_level_pass.chunk_terms(k, u, plan, g=g, gk=gk, scale=1.0, decay=True, stage="state_fwd_chunk",
+                                        y_scale=u_scale)
+        h, ht = two_level_pass.scan(dS, plan, g=g, gk=gk, start=initial_state, need_end=output_final_state,
+                                    dtype=k.dtype, reverse=False, stage="state_fwd_scan")
         return h, (u if u_scale is None else None), ht
     B, T, HK, K = k.shape
     H, V = u.shape[2:]
@@ -772,11 +600,13 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
         # wrong with fp32 inputs on the H200 (Triton 3.6: the float64 oracle missed at K = 256)
         dv, intra_dv, scores = output_bwd_dv(q, k, do, plan, scale=scale, g=g), False, None
     if two_level:
-        dD = _chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
-        dh, dh0 = _scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype, reverse=True,
-                        stage="state_bwd_scan")
+        dD = two_level_pass.chunk_terms(q, do, plan, g=g, gk=gk, scale=scale, decay=False, stage="state_bwd_chunk")
+        dh, dh0 = two_level_pass.scan(dD, plan, g=g, gk=gk, start=dht, need_end=need_dh0, dtype=k.dtype,
+                                      reverse=True, stage="state_bwd_scan")
         del dD  # fp32 [NT, H, K, V]: free before dv2 is allocated
-        return dh, dh0, None if dv is None else _dv_with_states(k, dh, dv, plan, g=g, gk=gk, out=dv_out)
+        if dv is None:
+            return dh, dh0, None
+        return dh, dh0, two_level_pass.dv_with_states(k, dh, dv, plan, g=g, gk=gk, out=dv_out)
     B, T, HK, K = k.shape
     H, V = do.shape[2:]
     N = plan.num_seqs

@@ -4,6 +4,8 @@ the engine uses plain pointer arithmetic, which both accept)."""
 import triton
 import triton.language as tl
 
+from ttr.kernels.common.approx import fast_exp
+
 
 @triton.jit
 def tile(base, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
@@ -43,3 +45,29 @@ def qk_rows(x, bos, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr):
     """Head ``i_h``'s first row of q or k ``[T_total, HK, K]`` (row stride ``HK * K``): ``HK`` heads, each
     shared by ``H // HK`` consecutive value heads (Mamba2's groups of B and C; ``HK = H`` otherwise)."""
     return x + (bos * HK + i_h // (H // HK)) * K
+
+
+@triton.jit
+def load_tile(p, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
+    """The ``[BR, BC]`` tile of ``tile``'s pointers, zeros outside the bounds."""
+    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
+    return tl.load(p_x, mask=m_x, other=0.)
+
+
+@triton.jit
+def store_tile(p, b, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
+    """Stores ``b`` (``[BR, BC]``) in the pointers' dtype, inside the bounds only."""
+    p_x, m_x = tile(p, r0, c0, n_r, n_c, s_r, s_c, BR, BC)
+    tl.store(p_x, b.to(p_x.dtype.element_ty), mask=m_x)
+
+
+@triton.jit
+def decay_kT(b_k, gk, bos, last, i_c, m_t, i_h, k0, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+             BK: tl.constexpr):
+    """GLA's per-key decay of a chunk's ``k^T`` tile (``[BK, BT]``, key rows k0 .. k0+BK): returns
+    ``(k^T ⊙ exp(gk_last - gk), exp(gk_last), gk^T)``."""
+    o_k = k0 + tl.arange(0, BK)
+    b_gkl = tl.load(gk + ((bos + last) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+    b_gk = load_tile(gk + (bos * H + i_h) * K, k0, i_c * BT, K, T, 1, H * K, BK, BT)  # [BK, BT]
+    b_kd = (b_k * fast_exp(tl.where(m_t[None, :], b_gkl[:, None] - b_gk, 0.))).to(b_k.dtype)
+    return b_kd, fast_exp(b_gkl), b_gk

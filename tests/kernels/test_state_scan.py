@@ -1,5 +1,6 @@
-"""The two-level state pass (``state.py`` without ``w``: chunk terms, then a scan over chunks)
-against a float64 per-token recursion and against the sequential kernels it replaces: states
+"""The two-level state pass (``two_level.py``, which ``state.py`` runs without ``w``: chunk terms,
+then a scan over chunks) against a float64 per-token recursion and against the sequential kernels
+it replaces: states
 before each chunk, final state, ``dh`` (gradient after each chunk), ``dh0`` and ``dv2``, for the
 scalar gate, the per-key gate and no gate; Triton under the interpreter."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ttr.kernels.common import state
+from ttr.kernels.common import state, two_level
 from ttr.kernels.common.cumsum import chunk_local_cumsum
 from ttr.kernels.common.index import TUNING, prepare_chunks
 from ttr.kernels.common.state import state_bwd, state_fwd
@@ -210,8 +211,8 @@ def test_u_scale_equals_scaled_values(two_level):
 def test_path_switch(monkeypatch):
     """Without w the two-level pass runs unless TUNING says two_level=False; with w never."""
     calls = []
-    scan = state._scan
-    monkeypatch.setattr(state, "_scan", lambda *a, **kw: calls.append(kw["stage"]) or scan(*a, **kw))
+    scan = two_level.scan
+    monkeypatch.setattr(two_level, "scan", lambda *a, **kw: calls.append(kw["stage"]) or scan(*a, **kw))
     x, plan = make(1, 20, 1, 8, 8, "g", h0=False, dht=False)
     run(x, plan, "g", 1.0)
     assert calls == ["state_fwd_scan", "state_bwd_scan"]
