@@ -24,9 +24,9 @@ Two implementations:
   in the state, ``h[c+1] = a_c ⊙ h[c] + ΔS_c`` with ``a_c = exp(g_last)`` (a scalar) or
   ``exp(gk_last)`` (per key row) and ``ΔS_c = (k ⊙ exp(g_last - g))^T v`` (no matrix product
   depends on the chain), so (1) ``state_chunk_kernel`` computes every ``ΔS_c`` in parallel over
-  chunks, heads and K/V blocks (fp32 ``[NT, H, K, V]``, transient), and (2) ``state_scan_kernel`` walks the chunks
-  per (sequence, head, small K x V tile) with only an fma per step; its loads do not depend on the
-  chain, so the loop is software-pipelined (``tl.range(num_stages=...)``). The backward is the
+  chunks, heads and K/V blocks (fp32 ``[NT, H, K, V]``, transient), and (2) ``state_scan_kernel``
+  walks the chunks per (sequence, head, small K x V tile) with only an fma per step; its loads do
+  not depend on the chain, so the loop is software-pipelined (``tl.range(num_stages=...)``). The backward is the
   same pair in reverse, ``ΔD_c = scale (q ⊙ exp(g))^T do`` and ``dh[c-1] = a_c ⊙ dh[c] + ΔD_c``,
   then ``state_dv_kernel`` forms ``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]`` chunk-parallel.
   It moves more bytes (the fp32 terms are written and read once: 2 - 3x the sequential
@@ -363,9 +363,9 @@ def _state_blocks(K: int, V: int, programs_per_vblock: int, device, elem: int, b
         BV, num_warps = min(BV, 32), 8
     stage_bytes = elem * 64 * (3 * KP + 2 * BV)
     num_stages = 3 if stage_bytes <= 64 * 1024 else (2 if stage_bytes <= 96 * 1024 else 1)
-    # the backward walk forming dA loads A's and v's tiles too: 72 KB a stage at K = 64, V = 128
     programs = programs_per_vblock * cdiv(V, BV)
     states_only = not backward and walk == "scalar" and not forms and KP <= 64 and programs >= 3 * sms
+    # the backward walk forming dA (rows) loads A's and v's tiles too: 72 KB a stage at K = 64, V = 128
     if rows or states_only or not backward and walk == "vector" and (num_warps == 8 or forms and programs > sms):
         num_stages = min(num_stages, 2)
     cap = {"maxnreg": 168} if backward and walk == "scalar" else {}

@@ -72,19 +72,21 @@ def test_chunk_vs_float64(op, shape, dtype):
 
 # the shapes whose backward walks the chunks at K <= 128 (not the two-level pass of long sequences)
 WALKED = [s for s in SHAPES if s[3] <= 128 and s[1] / (1 if s[5] is None else len(s[5]) - 1) < 96 * 64]
+# gla-1.3b's heads at 8 x 2048: a full grid, where the walk forms dv and dA by default
+FULL_GRID = (8, 2048, 16, 64, 128, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", WALKED + [(8, 2048, 16, 64, 128, None)],
+@pytest.mark.parametrize("shape", WALKED + [FULL_GRID],
                          ids=lambda s: "x".join(str(d) for d in s[:5]) + ("-packed" if s[5] else ""))
 def test_walk_forming_dv_and_dA_vs_float64(monkeypatch, shape, dtype):
     """GLA's backward walk forming the intra-chunk dv and dA over whole value rows
-    (``state.walk_forms_dv_dA``), forced on at small grids and by default at gla-1.3b's heads at 8
-    x 2048 (a full grid), against the float64 oracle."""
+    (``state.walk_forms_dv_dA``), forced on at the smaller shapes and by default at ``FULL_GRID``,
+    against the float64 oracle."""
     from ttr.kernels.common import index, state
     from ttr.kernels.gla import chunk as gla_chunk
 
-    if shape[0] * shape[2] < 64:
+    if shape != FULL_GRID:
         monkeypatch.setitem(index.TUNING, "state_bwd", {"intra_dv": True})
     walked = []
     monkeypatch.setattr(gla_chunk, "state_bwd",
