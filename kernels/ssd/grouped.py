@@ -204,12 +204,20 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
 @triton.jit
 def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R, cu_seqlens, chunk_indices,
                     H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, BP: tl.constexpr, NK: tl.constexpr, HAS_D: tl.constexpr):
+                    BK: tl.constexpr, BP: tl.constexpr, NK: tl.constexpr, HAS_D: tl.constexpr,
+                    EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One chunk of one head, every value column (module docstring): ``dv``, then ``dx``, ``ddt``, the
     gate's gradient and this chunk's shares of ``dA`` and ``dD`` (``[NT, H]``, summed by the caller).
-    The state terms ``dy·y^inter`` and ``<h, dh>`` come from the dB/dC stage (``NK`` N blocks each)."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    NT = tl.num_programs(0)
+    The state terms ``dy·y^inter`` and ``<h, dh>`` come from the dB/dC stage (``NK`` N blocks each).
+    ``EARLY_LOADS`` (N in one block): B's and dh's tiles are loaded with x's and dy's, before the
+    first product, so the program waits on memory once rather than twice. ``HEADS_FIRST``: the grid
+    is ``(H, NT)``, so the heads of a group that read one chunk's CB and B tiles run next to each other."""
+    if HEADS_FIRST:
+        i_h, i_t = tl.program_id(0), tl.program_id(1)
+        NT = tl.num_programs(1)
+    else:
+        i_t, i_h = tl.program_id(0), tl.program_id(1)
+        NT = tl.num_programs(0)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
@@ -223,24 +231,37 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     for i_k in tl.static_range(NK):
         b_ydo += tl.load(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         b_hdh += tl.load(hdh + (i_k * NT + i_t) * H + i_h)
-    b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
-    b_gl = tl.load(g + (bos + last) * H + i_h)
     p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
     p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
-    b_x = tl.load(p_x, mask=m_x, other=0.)
-    b_do = tl.load(p_do, mask=m_do, other=0.)
-    b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+    if EARLY_LOADS:
+        b_x = tl.load(p_x, mask=m_x, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+        b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+        p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, 0, T, N, G * N, 1, BT, BK)
+        p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, 0, 0, N, P, P, 1, BK, BP)
+        b_b = tl.load(p_b, mask=m_b, other=0.)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
+    else:
+        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
+        b_x = tl.load(p_x, mask=m_x, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+        b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+    b_gl = tl.load(g + (bos + last) * H + i_h)
     # v = x dt as a column scale of dy x^T and a row scale of x·dv (the dB/dC stage's v, in fp32)
     b_p = b_A * tl.dot(b_do, tl.trans(b_x)) * b_dt[None, :]  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
     b_dG = b_ydo * fast_exp(b_g) + tl.sum(b_p, 1) - tl.sum(b_p, 0)
     # the part of dv from the state after the chunk, formed after the scores' terms so that its
     # accumulator is not live next to theirs: the kernel then does not spill, and timed faster at
     # Mamba2-1.3B's shape and at N = 64 in 8 groups on an H200 (docs/benchmarks.md)
-    b_dv = tl.zeros([BT, BP], dtype=tl.float32)
-    for k0 in tl.static_range(0, N, BK):
-        p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, k0, T, N, G * N, 1, BT, BK)
-        p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, k0, 0, N, P, P, 1, BK, BP)
-        b_dv += tl.dot(tl.load(p_b, mask=m_b, other=0.), tl.load(p_dh, mask=m_dh, other=0.))
+    if EARLY_LOADS:
+        b_dv = tl.dot(b_b, b_dh)
+    else:
+        b_dv = tl.zeros([BT, BP], dtype=tl.float32)
+        for k0 in tl.static_range(0, N, BK):
+            p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, k0, T, N, G * N, 1, BT, BK)
+            p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, k0, 0, N, P, P, 1, BK, BP)
+            b_dv += tl.dot(tl.load(p_b, mask=m_b, other=0.), tl.load(p_dh, mask=m_dh, other=0.))
     b_dv *= fast_exp(b_gl - b_g)[:, None]
     b_vdv = b_dt * tl.sum(b_x.to(tl.float32) * b_dv, 1)
     b_dG -= b_vdv
@@ -346,8 +367,15 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     # at 128 it spills and timed slower (docs/benchmarks.md, launch choices). With the approximate
     # exp it compiles to 165 (N = 64: the cap no longer binds, and lifting it times the same) and 176
     # (N = 128, where the cap still pays) registers without the cap
-    cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168)
-    rows_bwd_kernel[(NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
+    # At N <= 64 B's and dh's tiles are loaded before the first product; at N = 128, where those tiles
+    # are twice as large, the early loads timed slower under the cap and the grid heads first (a
+    # group's heads, which read one chunk's CB and B tiles, side by side) faster; on an H200 at
+    # Mamba2-1.3B's N = 128 and at N = 64 in 8 groups (docs/benchmarks.md, launch choices)
+    cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168, EARLY_LOADS=N <= 64,
+                HEADS_FIRST=N > 64)
+    if cfg["EARLY_LOADS"] and cfg["BK"] < N:
+        raise ValueError(f"ssd_rows_bwd: EARLY_LOADS needs N in one block, got N={N} and BK={cfg['BK']}")
+    rows_bwd_kernel[(H, NT) if cfg["HEADS_FIRST"] else (NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                              dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
                              BT=plan.chunk_size, BP=max(16, next_power_of_2(P)), NK=ydo.shape[0],
                              HAS_D=D is not None, **cfg)

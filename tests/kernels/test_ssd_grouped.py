@@ -183,3 +183,36 @@ def test_ssd_bf16_mamba2_shape(batch, t, groups, n_state, cu):
         assert torch.isfinite(a).all(), name
         limit = 2e-2 if name in ("ddt", "dA") else 1e-2
         assert rel_rms(a, r) < limit, f"{name} {rel_rms(a, r)}"
+
+
+@pytest.mark.parametrize("N", [72, 40])
+@pytest.mark.parametrize("variant", [{"EARLY_LOADS": True}, {"HEADS_FIRST": True},
+                                     {"EARLY_LOADS": True, "HEADS_FIRST": True}, {}],
+                         ids=["early", "heads-first", "both", "default"])
+def test_rows_launch_variants_same_bits(monkeypatch, variant, N):
+    """The row stage with B's and dh's tiles loaded before the first product, or its grid heads first,
+    or both, or as the heuristic chooses for N, gives the plain launch's dx, ddt, dA and dD bit for
+    bit (the same arithmetic in the same order); a padded last chunk and packed documents with two
+    heads per group."""
+    from ttr.kernels.common import index
+
+    lengths = [1, 64, 72]
+    H, G, P = 4, 2, 24
+    (x, dt, A, B, C), _ = ssd_inputs(1, sum(lengths), H, G, N, P, h0=True, n=len(lengths))
+    do, D = torch.randn(1, sum(lengths), H, P), torch.randn(H)
+    plan = prepare_chunks(cu_of(lengths), 1, sum(lengths))
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    h, _, _ = state_fwd(B, x, plan, g=gc, u_scale=dt)
+    dh, _, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc)
+    cb = grouped.cb_fwd(C, B, plan)
+    _, _, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", {"EARLY_LOADS": False, "HEADS_FIRST": False})
+    plain = grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan)
+    monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", variant)
+    for got, want in zip(grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan), plain, strict=True):
+        assert torch.equal(got, want)
+    if variant.get("EARLY_LOADS"):
+        # N in two blocks: the early loads hold one block, so the launch refuses
+        monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", {**variant, "BK": 32})
+        with pytest.raises(ValueError, match="EARLY_LOADS needs N in one block"):
+            grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan)
