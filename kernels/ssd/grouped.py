@@ -365,12 +365,12 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     # It compiled to 212 (N = 64) - 225 (N = 128) registers, two programs per SM; capped at 168
     # (three) it timed faster at N = 64 in 8 groups and at N = 128 (8 x 2048 and 1 x 16384 alike);
     # at 128 it spills and timed slower (docs/benchmarks.md, launch choices). With the approximate
-    # exp it compiles to 165 (N = 64: the cap no longer binds, and lifting it times the same) and 176
-    # (N = 128, where the cap still pays) registers without the cap
-    # At N <= 64 B's and dh's tiles are loaded before the first product; at N = 128, where those tiles
-    # are twice as large, the early loads timed slower under the cap and the grid heads first (a
-    # group's heads, which read one chunk's CB and B tiles, side by side) faster; on an H200 at
-    # Mamba2-1.3B's N = 128 and at N = 64 in 8 groups (docs/benchmarks.md, launch choices)
+    # exp it compiles to 176 registers without the cap at N = 128, where the cap still pays.
+    # At N <= 64 B's and dh's tiles are loaded before the first product (162 registers under the cap;
+    # without it slower); at N = 128, where those tiles are twice as large, the early loads timed
+    # slower and the grid heads first (a group's heads, which read one chunk's CB and B tiles, side by
+    # side) faster; on an H200 at Mamba2-1.3B's N = 128 and at N = 64 in 8 groups (docs/benchmarks.md,
+    # launch choices)
     cfg = tuned("ssd_rows_bwd", BK=block_size(N, 128), num_warps=4, num_stages=2, maxnreg=168, EARLY_LOADS=N <= 64,
                 HEADS_FIRST=N > 64)
     if cfg["EARLY_LOADS"] and cfg["BK"] < N:
