@@ -320,7 +320,9 @@ SWEEPS = {
                             for ns in (1, 2, 3)],
         # BK 32: an illegal memory access on Hopper (Triton 3.6), as simple GLA's dq/dk stage below
         "ssd_rows_bwd": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (64, 128) for nw in (4, 8)
-                         for ns in (1, 2, 3)],
+                         for ns in (1, 2, 3)]
+        # B's and dh's tiles loaded before the first product or not, the grid heads first or not
+        + [dict(EARLY_LOADS=e, HEADS_FIRST=f) for e in (False, True) for f in (False, True)],
         "ssd_cb": [dict(BK=bk, num_warps=nw, num_stages=ns) for bk in (32, 64, 128) for nw in (4, 8)
                    for ns in (1, 2, 3)],
         # and narrower value blocks, for the walks of few long sequences (B*H = 64 at 1 x 16384)
