@@ -375,9 +375,10 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
                 HEADS_FIRST=N > 64)
     if cfg["EARLY_LOADS"] and cfg["BK"] < N:
         raise ValueError(f"ssd_rows_bwd: EARLY_LOADS needs N in one block, got N={N} and BK={cfg['BK']}")
-    rows_bwd_kernel[(H, NT) if cfg["HEADS_FIRST"] else (NT, H)](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
-                             dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
-                             BT=plan.chunk_size, BP=max(16, next_power_of_2(P)), NK=ydo.shape[0],
-                             HAS_D=D is not None, **cfg)
+    grid = (H, NT) if cfg["HEADS_FIRST"] else (NT, H)
+    rows_bwd_kernel[grid](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
+                          dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
+                          BT=plan.chunk_size, BP=max(16, next_power_of_2(P)), NK=ydo.shape[0],
+                          HAS_D=D is not None, **cfg)
     sums = shares.sum(1)
     return dx, ddt, sums[0], None if D is None else sums[1]
