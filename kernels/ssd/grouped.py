@@ -58,6 +58,8 @@ from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
 from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
 
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second dimension
+
 
 @triton.jit
 def cb_fwd_kernel(C, B, cb, cu_seqlens, chunk_indices, G: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
@@ -375,6 +377,8 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
                 HEADS_FIRST=N > 64)
     if cfg["EARLY_LOADS"] and cfg["BK"] < N:
         raise ValueError(f"ssd_rows_bwd: EARLY_LOADS needs N in one block, got N={N} and BK={cfg['BK']}")
+    # a grid's second dimension holds at most 65,535 programs: more chunks than that go first
+    cfg["HEADS_FIRST"] = cfg["HEADS_FIRST"] and NT <= MAX_GRID_Y
     grid = (H, NT) if cfg["HEADS_FIRST"] else (NT, H)
     rows_bwd_kernel[grid](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                           dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,

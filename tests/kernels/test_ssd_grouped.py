@@ -216,3 +216,34 @@ def test_rows_launch_variants_same_bits(monkeypatch, variant, N):
         monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", {**variant, "BK": 32})
         with pytest.raises(ValueError, match="EARLY_LOADS needs N in one block"):
             grouped.rows_bwd(B, x, dt, A, D, dh, cb, gc, do, terms, plan)
+
+
+def test_rows_heads_first_falls_back_past_the_grid_limit(monkeypatch):
+    """More chunks than a grid's second dimension holds: the heads-first launch runs chunks first
+    instead (the same bits), so no input is refused for its length."""
+    from ttr.kernels.common import index
+
+    H, G, N, P, T = 4, 2, 72, 24, 130
+    (x, dt, A, B, C), _ = ssd_inputs(1, T, H, G, N, P, h0=True)
+    do = torch.randn(1, T, H, P)
+    plan = prepare_chunks(None, 1, T)
+    gc = chunk_local_cumsum(dt, plan, scale=A)
+    h, _, _ = state_fwd(B, x, plan, g=gc, u_scale=dt)
+    dh, _, _ = state_bwd(C, B, do, None, plan, scale=1.0, g=gc)
+    cb = grouped.cb_fwd(C, B, plan)
+    _, _, terms = grouped.output_bwd_dcb(C, B, x, dt, h, dh, do, gc, plan)
+    grids, kernel = [], grouped.rows_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(grouped, "rows_bwd_kernel", Spy())
+    monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", {"HEADS_FIRST": True})
+    first = grouped.rows_bwd(B, x, dt, A, None, dh, cb, gc, do, terms, plan)
+    monkeypatch.setattr(grouped, "MAX_GRID_Y", plan.num_chunks - 1)
+    fallback = grouped.rows_bwd(B, x, dt, A, None, dh, cb, gc, do, terms, plan)
+    assert grids == [(H, plan.num_chunks), (plan.num_chunks, H)]
+    for got, want in zip(fallback, first, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
