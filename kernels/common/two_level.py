@@ -18,7 +18,7 @@ from ttr.kernels.common.tile import chunk_gate, chunk_span, decay_kT, load_tile,
 
 @triton.jit
 def gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-              BK: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
+             BK: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr):
     """The chunk's transposed key or query tile ``b_x [BK, BT]`` (key rows k0 .. k0+BK) times
     ``exp(g_last - g)`` (DECAY: the decayed keys of the state update) or ``exp(g)`` (the gated
     queries of the state gradient). Every exponent is <= 0; padded tokens (zero columns of b_x)

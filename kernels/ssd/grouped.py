@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
-from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
+from ttr.kernels.common.tile import chunk_gate, chunk_span, load_tile, qk_rows, tile
 
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second dimension
 
@@ -235,20 +235,15 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
         b_hdh += tl.load(hdh + (i_k * NT + i_t) * H + i_h)
     p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
     p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
+    if not EARLY_LOADS:
+        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
+    b_x = tl.load(p_x, mask=m_x, other=0.)
+    b_do = tl.load(p_do, mask=m_do, other=0.)
+    b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
     if EARLY_LOADS:
-        b_x = tl.load(p_x, mask=m_x, other=0.)
-        b_do = tl.load(p_do, mask=m_do, other=0.)
-        b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
-        p_b, m_b = tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, 0, T, N, G * N, 1, BT, BK)
-        p_dh, m_dh = tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, 0, 0, N, P, P, 1, BK, BP)
-        b_b = tl.load(p_b, mask=m_b, other=0.)
-        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        b_b = load_tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, 0, T, N, G * N, 1, BT, BK)
+        b_dh = load_tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, 0, 0, N, P, P, 1, BK, BP)
         b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
-    else:
-        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
-        b_x = tl.load(p_x, mask=m_x, other=0.)
-        b_do = tl.load(p_do, mask=m_do, other=0.)
-        b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
     b_gl = tl.load(g + (bos + last) * H + i_h)
     # v = x dt as a column scale of dy x^T and a row scale of x·dv (the dB/dC stage's v, in fp32)
     b_p = b_A * tl.dot(b_do, tl.trans(b_x)) * b_dt[None, :]  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
