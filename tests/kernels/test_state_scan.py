@@ -225,11 +225,17 @@ def test_path_switch(monkeypatch):
 
 def test_walk_again_takes_its_own_launch(monkeypatch):
     """``state_fwd(..., again=True)`` (a backward forming the states again) is launched as TUNING's
-    ``state_fwd_again``, not the forward's ``state_fwd``, and forms the same states and final state
-    under either key's launch."""
-    stages = []
+    ``state_fwd_again``, not the forward's ``state_fwd``: an override of that key reaches its launch
+    and not the forward's, and the states and final state are the same under either launch."""
+    stages, launches = [], []
     launch = state._sequential_cfg
-    monkeypatch.setattr(state, "_sequential_cfg", lambda stage, **cfg: stages.append(stage) or launch(stage, **cfg))
+
+    def spy(stage, **cfg):
+        stages.append(stage)
+        launches.append(launch(stage, **cfg))
+        return launches[-1]
+
+    monkeypatch.setattr(state, "_sequential_cfg", spy)
     x, plan = make(1, 150, 2, 16, 32, "g", cu=[0, 70, 150])
     args = (x["k"], x["v"], plan)
     kw = dict(g=x["g_cum"], initial_state=x["h0"], output_final_state=True)
@@ -239,8 +245,12 @@ def test_walk_again_takes_its_own_launch(monkeypatch):
     assert stages == ["state_fwd", "state_fwd_again"]
     assert torch.equal(fwd[0], again[0]) and torch.equal(fwd[2], again[2])
     monkeypatch.setitem(TUNING, "state_fwd", {"two_level": False})
-    monkeypatch.setitem(TUNING, "state_fwd_again", {"BV": 16, "num_warps": 2, "num_stages": 2})
+    override = {"BV": 16, "num_warps": 2, "num_stages": 2}
+    monkeypatch.setitem(TUNING, "state_fwd_again", override)
     h, _, final = state_fwd(*args, **kw, again=True)
+    state_fwd(*args, **kw)
+    assert stages[2:] == ["state_fwd_again", "state_fwd"]
+    assert override.items() <= launches[2].items() and launches[3] == launches[0] != launches[2]
     assert rel_rms(h, fwd[0]) < 1e-6 and rel_rms(final, fwd[2]) < 1e-6
 
 
