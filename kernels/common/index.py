@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 CHUNK_SIZE = 64
+MAX_GRID_Y = 65535  # CUDA's bound on a launch grid's second and third dimensions
 
 
 class ChunkPlan(NamedTuple):
@@ -20,6 +21,22 @@ class ChunkPlan(NamedTuple):
     num_seqs: int
     num_chunks: int
     chunk_size: int
+
+    @property
+    def fold_grid(self) -> bool:
+        """More chunks than a grid's second dimension holds (``MAX_GRID_Y``: a call of more than 4.19M
+        tokens in chunks of 64), so the chunk stages fold them into dimension 0 (``grid``)."""
+        return self.num_chunks > MAX_GRID_Y
+
+    def grid(self, blocks: int, heads: int) -> tuple[int, ...]:
+        """The launch grid of a stage with ``blocks`` programs per chunk and head (of values or keys),
+        read back by ``tile.block_chunk_head(NX, FOLD=fold_grid)``: ``(blocks, num_chunks, heads)``,
+        or ``(blocks * num_chunks, heads)`` past ``MAX_GRID_Y`` chunks. The blocks run in the same
+        order either way; the folded grid is not the default because its kernels timed slower, up to
+        6 % (docs/benchmarks.md, launch choices)."""
+        if self.fold_grid:
+            return blocks * self.num_chunks, heads
+        return blocks, self.num_chunks, heads
 
 
 class Packing(NamedTuple):

@@ -23,14 +23,14 @@ import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, sm_count, tuned
-from ttr.kernels.common.tile import chunk_gate, chunk_span, qk_rows, tile
+from ttr.kernels.common.tile import block_chunk_head, chunk_gate, chunk_span, qk_rows, tile
 
 
 @triton.jit
 def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_G: tl.constexpr):
-    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                      USE_G: tl.constexpr, FOLD: tl.constexpr):
+    i_v, i_t, i_h = block_chunk_head(tl.cdiv(V, BV), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -113,8 +113,9 @@ def scores_times_rows(b_A, do, dv, bos, i_c, i_h, T, H: tl.constexpr, V: tl.cons
 @triton.jit
 def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, TT,
                           H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr):
-    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                          BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
+                          FOLD: tl.constexpr):
+    i_k, i_t, i_h = block_chunk_head(tl.cdiv(K, BK), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     p_hb = h + (i_t.to(tl.int64) * H + i_h) * K * V
@@ -253,9 +254,9 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     # instead of once per V block; 8 warps and 3 stages keep the loads of the next K block in flight
     # (the delta rules run the same kernel on the same shapes, with v_new for v)
     cfg = tuned("output_fwd", BV=block_size(V, 128), num_warps=8, num_stages=3)
-    output_fwd_kernel[(cdiv(V, cfg['BV']), plan.num_chunks, H)](
+    output_fwd_kernel[plan.grid(cdiv(V, cfg['BV']), H)](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
-        USE_G=g is not None, **cfg)
+        USE_G=g is not None, FOLD=plan.fold_grid, **cfg)
     return o
 
 
@@ -323,9 +324,9 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     dk = q.new_empty(B, T, H, K)
     dw = q.new_empty(B, T, H, K) if dv is not None else None
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
-    output_bwd_dqk_kernel[(NK, plan.num_chunks, H)](
+    output_bwd_dqk_kernel[plan.grid(NK, H)](
         q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, HK=HK, K=K,
-        V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, **cfg)
+        V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, FOLD=plan.fold_grid, **cfg)
     if dg is not None:
         dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg

@@ -28,6 +28,17 @@ def chunk_span(chunk_indices, cu_seqlens, i_t):
 
 
 @triton.jit
+def block_chunk_head(NX: tl.constexpr, FOLD: tl.constexpr):
+    """A program's block ``i_x`` of ``NX``, global chunk ``i_t`` and head ``i_h`` on ``ChunkPlan.grid``
+    (``FOLD``: its ``fold_grid``)."""
+    if FOLD:
+        i_x, i_t, i_h = tl.program_id(0) % NX, tl.program_id(0) // NX, tl.program_id(1)
+    else:
+        i_x, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return i_x, i_t, i_h
+
+
+@triton.jit
 def chunk_gate(g, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     """The chunk's cumulative scalar gate ``g[t0 + i]`` (``[BT]``, fp32), padded rows (``i >=
     n_valid``) set to the last valid row's value. A padded row must not read 0: under strong decay

@@ -242,7 +242,7 @@ def test_rows_heads_first_falls_back_past_the_grid_limit(monkeypatch):
     monkeypatch.setattr(grouped, "rows_bwd_kernel", Spy())
     monkeypatch.setitem(index.TUNING, "ssd_rows_bwd", {"HEADS_FIRST": True})
     first = grouped.rows_bwd(B, x, dt, A, None, dh, cb, gc, do, terms, plan)
-    monkeypatch.setattr(grouped, "MAX_GRID_Y", plan.num_chunks - 1)
+    monkeypatch.setattr(index, "MAX_GRID_Y", plan.num_chunks - 1)
     fallback = grouped.rows_bwd(B, x, dt, A, None, dh, cb, gc, do, terms, plan)
     assert grids == [(H, plan.num_chunks), (plan.num_chunks, H)]
     for got, want in zip(fallback, first, strict=True):
