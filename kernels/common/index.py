@@ -22,21 +22,6 @@ class ChunkPlan(NamedTuple):
     num_chunks: int
     chunk_size: int
 
-    @property
-    def fold_grid(self) -> bool:
-        """More chunks than a grid's second dimension holds (``MAX_GRID_Y``: a call of more than 4.19M
-        tokens in chunks of 64), so the chunk stages fold them into dimension 0 (``grid``)."""
-        return self.num_chunks > MAX_GRID_Y
-
-    def grid(self, blocks: int, heads: int) -> tuple[int, ...]:
-        """The launch grid of a stage with ``blocks`` programs per chunk and head (of values or keys),
-        read back by ``tile.block_chunk_head(NX, FOLD=fold_grid)``: ``(blocks, num_chunks, heads)``,
-        or ``(blocks * num_chunks, heads)`` past ``MAX_GRID_Y`` chunks. The blocks run in the same
-        order either way; the folded grid is not the default because its kernels timed slower, up to
-        6 % (docs/benchmarks.md, launch choices)."""
-        if self.fold_grid:
-            return blocks * self.num_chunks, heads
-        return blocks, self.num_chunks, heads
 
 
 class Packing(NamedTuple):
@@ -261,6 +246,23 @@ TUNING: dict[str, dict] = {}
 # Launch arithmetic on the host. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton's constexpr
 # functions, and a call of one from Python costs about 2 us (its arguments are unwrapped first);
 # an op's fwd+bwd makes 15 - 20 of them, and its host time is what a small call waits for.
+def folds(rows: int) -> bool:
+    """More rows than a grid's second dimension holds (``MAX_GRID_Y``): more than 4.19M tokens of
+    chunks of 64 in a call, or more than 65,535 (sequence, head) pairs in a walk."""
+    return rows > MAX_GRID_Y
+
+
+def rows_grid(blocks: int, rows: int, heads: int = 1) -> tuple[tuple[int, ...], bool]:
+    """``(grid, fold)`` for a stage of ``blocks`` programs (of values or keys) per row (a chunk, or a
+    walk's sequence and head) and head, read back by ``tile.grid_ids(NX, FOLD=fold)``: ``(blocks,
+    rows, heads)``, or past ``MAX_GRID_Y`` rows ``(blocks * rows, heads)``. The programs run in the
+    same order either way; the folded grid is not the default because its stages timed slower, up to
+    6 % (docs/benchmarks.md, launch choices)."""
+    if folds(rows):
+        return (blocks * rows, heads), True
+    return (blocks, rows, heads), False
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of ints, as ``triton.cdiv``."""
     return -(-a // b)

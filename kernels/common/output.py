@@ -22,15 +22,15 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, sm_count, tuned
-from ttr.kernels.common.tile import block_chunk_head, chunk_gate, chunk_span, qk_rows, tile
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, rows_grid, sm_count, tuned
+from ttr.kernels.common.tile import chunk_gate, chunk_span, grid_ids, qk_rows, tile
 
 
 @triton.jit
 def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_G: tl.constexpr, FOLD: tl.constexpr):
-    i_v, i_t, i_h = block_chunk_head(tl.cdiv(V, BV), FOLD)
+    i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -115,7 +115,7 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
                           H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
                           FOLD: tl.constexpr):
-    i_k, i_t, i_h = block_chunk_head(tl.cdiv(K, BK), FOLD)
+    i_k, i_t, i_h = grid_ids(tl.cdiv(K, BK), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     p_hb = h + (i_t.to(tl.int64) * H + i_h) * K * V
@@ -205,13 +205,14 @@ def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, dq, dk, dw, dg, bo
 @triton.jit
 def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, chunk_offsets, scale, TT,
                                H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr):
+                               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                               FOLD: tl.constexpr):
     # One program per (sequence, head, key block) walks the chunks in order and holds the block's
     # state transposed, ``h^T [V, BK]`` in fp32, from which each chunk's products read it (rounded
     # to the inputs' dtype, as a stored h would be) before the ungated update ``h += k^T v``: the
     # stage needs no stored states. ``v`` is v_new as the forward stored it, so the update repeats
     # the forward's products on the same operands. The whole value row is one tile (BV >= V).
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
+    i_k, i_nh, _ = grid_ids(tl.cdiv(K, BK), FOLD)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
@@ -254,9 +255,10 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     # instead of once per V block; 8 warps and 3 stages keep the loads of the next K block in flight
     # (the delta rules run the same kernel on the same shapes, with v_new for v)
     cfg = tuned("output_fwd", BV=block_size(V, 128), num_warps=8, num_stages=3)
-    output_fwd_kernel[plan.grid(cdiv(V, cfg['BV']), H)](
+    grid, fold = rows_grid(cdiv(V, cfg['BV']), plan.num_chunks, H)
+    output_fwd_kernel[grid](
         q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
-        USE_G=g is not None, FOLD=plan.fold_grid, **cfg)
+        USE_G=g is not None, FOLD=fold, **cfg)
     return o
 
 
@@ -324,9 +326,10 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     dk = q.new_empty(B, T, H, K)
     dw = q.new_empty(B, T, H, K) if dv is not None else None
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
-    output_bwd_dqk_kernel[plan.grid(NK, H)](
+    grid, fold = rows_grid(NK, plan.num_chunks, H)
+    output_bwd_dqk_kernel[grid](
         q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, HK=HK, K=K,
-        V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, FOLD=plan.fold_grid, **cfg)
+        V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, FOLD=fold, **cfg)
     if dg is not None:
         dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg
@@ -345,7 +348,8 @@ def _dqk_walk(q, k, v, dh, do, dv, h0, plan: ChunkPlan, *, scale: float):
                 num_stages=1 if wide else 2)
     cfg.pop("walk", None)
     dq, dk, dw = (q.new_empty(B, T, H, K) for _ in range(3))
-    output_bwd_dqk_walk_kernel[(cdiv(K, cfg["BK"]), plan.num_seqs * H)](
+    grid, fold = rows_grid(cdiv(K, cfg["BK"]), plan.num_seqs * H)
+    output_bwd_dqk_walk_kernel[grid](
         q, k, v, dh, do, dv, h0, dq, dk, dw, plan.cu_seqlens, plan.chunk_offsets, scale, B * T, H=H, HK=HK, K=K,
-        V=V, BT=plan.chunk_size, USE_H0=h0 is not None, **cfg)
+        V=V, BT=plan.chunk_size, USE_H0=h0 is not None, FOLD=fold, **cfg)
     return dq, dk, dw, None

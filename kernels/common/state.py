@@ -59,12 +59,13 @@ from ttr.kernels.common.index import (
     block_size,
     cdiv,
     next_power_of_2,
+    rows_grid,
     sm_count,
     token_stride,
     tuned,
 )
 from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
-from ttr.kernels.common.tile import decay_kT, load_tile, qk_rows, store_tile
+from ttr.kernels.common.tile import decay_kT, grid_ids, load_tile, qk_rows, store_tile
 
 
 @triton.jit
@@ -72,7 +73,8 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_US: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                     STORE_H: tl.constexpr, OUTPUT: tl.constexpr, KEPT_S: tl.constexpr, USE_SKIP: tl.constexpr):
+                     STORE_H: tl.constexpr, OUTPUT: tl.constexpr, KEPT_S: tl.constexpr, USE_SKIP: tl.constexpr,
+                     FOLD: tl.constexpr):
     # With SPLIT (K > 128) the state is two [BK, BV] halves, rows 0..BK and BK..2BK (see
     # _state_blocks for the one launch shape that is right on Hopper). OUTPUT: the walk also forms
     # the output stage's o (``output.output_fwd``'s products) from the state it holds and the chunk's
@@ -80,7 +82,7 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
     # (``wy.wy_fwd``'s) instead of forming them (USE_GK: GLA's scaled A, o = scale (q ⊙ exp(gk)) h + s v);
     # USE_SKIP: o also gets ``skip[h] u`` (SSD's ``D x``, of the unscaled values), in fp32 before its
     # one rounding; STORE_H off: the states are not written (nothing reads them).
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, _ = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
@@ -180,13 +182,13 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
-                     INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr, FORM_DA: tl.constexpr):
+                     INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr, FORM_DA: tl.constexpr, FOLD: tl.constexpr):
     # INTRA_DV: the output's intra-chunk dv, scale (q k^T ⊙ causal ⊙ Γ)^T do, is formed here from the
     # q, k and do tiles the step loads anyway (``output.output_bwd_dv``'s product) instead of read;
     # KEPT_S: from the kept scores ``q k^T ⊙ causal ⊙ Γ`` in ``s`` (``wy.wy_fwd``'s) and do; with a
     # per-key gate (USE_GK) s is GLA's scaled A, so dv = A^T do; FORM_DA (one value block over all of
     # V): also GLA's ``dA = scale tril(do v^T)`` (``intra_vector_gate.vector_gate_dv_dA``'s), fp32
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, _ = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = eos - bos
@@ -547,12 +549,13 @@ def state_fwd(k: torch.Tensor, u: torch.Tensor, plan: ChunkPlan, *, w: torch.Ten
     v_new = torch.empty_like(u) if w is not None else u
     ht = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     o = torch.empty_like(u) if q is not None else None
-    state_fwd_kernel[(cdiv(V, cfg['BV']), N * H)](
+    grid, fold = rows_grid(cdiv(V, cfg['BV']), N * H)
+    state_fwd_kernel[grid](
         k, u, u_scale, w, g, gk, h, v_new, initial_state, ht, q, scores, o, skip, scale, plan.cu_seqlens,
         plan.chunk_offsets, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_US=u_scale is not None, USE_H0=initial_state is not None,
         STORE_HT=output_final_state, STORE_H=store_h, OUTPUT=q is not None, KEPT_S=scores is not None,
-        USE_SKIP=skip is not None, **cfg)
+        USE_SKIP=skip is not None, FOLD=fold, **cfg)
     if q is not None:
         return h, (v_new if u_scale is None else None), ht, o
     return h, (v_new if u_scale is None else None), ht
@@ -621,10 +624,11 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dv: torch.Tens
         torch.empty_like(dv))
     sdv = H * V if dv2 is None else token_stride("dv_out", dv2, do.shape)
     dh0 = k.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    state_bwd_kernel[(cdiv(V, cfg['BV']), N * H)](
+    grid, fold = rows_grid(cdiv(V, cfg['BV']), N * H)
+    state_bwd_kernel[grid](
         q, k, w, g, gk, scores, do, dv, dh, dv2, dht, dh0, values, dA, plan.cu_seqlens, plan.chunk_offsets,
         scale, sdv, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, SPLIT=split, USE_W=w is not None,
         USE_G=g is not None, USE_GK=gk is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
         USE_DV=dv2 is not None, INTRA_DV=intra_dv, KEPT_S=scores is not None, FORM_DA=values is not None,
-        **cfg)
+        FOLD=fold, **cfg)
     return (dh, dh0, dv2) if values is None else (dh, dh0, dv2, dA)

@@ -28,14 +28,14 @@ def chunk_span(chunk_indices, cu_seqlens, i_t):
 
 
 @triton.jit
-def block_chunk_head(NX: tl.constexpr, FOLD: tl.constexpr):
-    """A program's block ``i_x`` of ``NX``, global chunk ``i_t`` and head ``i_h`` on ``ChunkPlan.grid``
-    (``FOLD``: its ``fold_grid``)."""
+def grid_ids(NX: tl.constexpr, FOLD: tl.constexpr):
+    """A program's block ``i_x`` of ``NX``, row ``i_r`` (a global chunk, or a walk's sequence and
+    head) and head ``i_h`` on ``index.rows_grid``'s grid (``FOLD``: its fold)."""
     if FOLD:
-        i_x, i_t, i_h = tl.program_id(0) % NX, tl.program_id(0) // NX, tl.program_id(1)
+        i_x, i_r, i_h = tl.program_id(0) % NX, tl.program_id(0) // NX, tl.program_id(1)
     else:
-        i_x, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    return i_x, i_t, i_h
+        i_x, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return i_x, i_r, i_h
 
 
 @triton.jit

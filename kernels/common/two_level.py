@@ -12,12 +12,20 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, token_stride, tuned
+from ttr.kernels.common.index import (
+    ChunkPlan,
+    block_size,
+    cdiv,
+    next_power_of_2,
+    rows_grid,
+    token_stride,
+    tuned,
+)
 from ttr.kernels.common.tile import (
-    block_chunk_head,
     chunk_gate,
     chunk_span,
     decay_kT,
+    grid_ids,
     load_tile,
     qk_rows,
     store_tile,
@@ -56,7 +64,7 @@ def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, scale, H
     """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
     ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g)); with
     USE_YS the rows of y are scaled by ``ys [B, T, H]`` first (``state_fwd``'s ``u_scale``)."""
-    i_kv, i_t, i_h = block_chunk_head(tl.cdiv(K, BK) * tl.cdiv(V, BV), FOLD)
+    i_kv, i_t, i_h = grid_ids(tl.cdiv(K, BK) * tl.cdiv(V, BV), FOLD)
     i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
@@ -114,7 +122,7 @@ def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, SDV, H: tl
                     USE_GK: tl.constexpr, FOLD: tl.constexpr):
     """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known); ``SDV`` is
     dv2's token stride."""
-    i_v, i_t, i_h = block_chunk_head(tl.cdiv(V, BV), FOLD)
+    i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     b_dv = load_tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
@@ -136,10 +144,10 @@ def chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, sca
     H, V = y.shape[2:]
     cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
-    grid = plan.grid(cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), H)
+    grid, fold = rows_grid(cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K,
                              V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
-                             USE_YS=y_scale is not None, FOLD=plan.fold_grid, **cfg)
+                             USE_YS=y_scale is not None, FOLD=fold, **cfg)
     return out
 
 
@@ -170,8 +178,9 @@ def dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: Ch
     # K / BK <= 4 steps: a deeper pipeline only takes shared memory (fp32 with gk: 131 KB at 3 stages)
     cfg = tuned("state_bwd_dv", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4, num_stages=2)
     dv2 = torch.empty_like(dv) if out is None else out
-    state_dv_kernel[plan.grid(cdiv(V, cfg["BV"]), H)](
+    grid, fold = rows_grid(cdiv(V, cfg["BV"]), plan.num_chunks, H)
+    state_dv_kernel[grid](
         k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, token_stride("dv_out", dv2, dv.shape),
         H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
-        USE_G=g is not None, USE_GK=gk is not None, FOLD=plan.fold_grid, **cfg)
+        USE_G=g is not None, USE_GK=gk is not None, FOLD=fold, **cfg)
     return dv2

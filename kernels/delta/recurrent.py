@@ -11,14 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks, rows_grid
+from ttr.kernels.common.tile import grid_ids
 
 
 @triton.jit
 def recurrent_delta_kernel(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, H: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, FOLD: tl.constexpr):
+    i_v, i_nh, _ = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -54,8 +55,9 @@ def recurrent_delta_triton(q, k, v, g, beta, scale, initial_state, output_final_
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    recurrent_delta_kernel[(cdiv(V, BV), N * H)](
+    grid, fold = rows_grid(cdiv(V, BV), N * H)
+    recurrent_delta_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
         beta.contiguous(), o, h0, ht, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None,
-        USE_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4 if BK * BV <= 4096 else 8)
+        USE_H0=h0 is not None, STORE_HT=output_final_state, FOLD=fold, num_warps=4 if BK * BV <= 4096 else 8)
     return o, ht

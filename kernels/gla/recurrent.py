@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks
+from ttr.kernels.common.index import cdiv, next_power_of_2, prepare_chunks, rows_grid
+from ttr.kernels.common.tile import grid_ids
 from ttr.kernels.gla.reference import check_gla_inputs, logit_gate_of, recurrence
 from ttr.kernels.utils import kernel_backend, on_input_device
 
@@ -20,8 +21,8 @@ from ttr.kernels.utils import kernel_backend, on_input_device
 @triton.jit
 def recurrent_kernel(q, k, v, g, o, h0, ht, cu_seqlens, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, VECTOR_GATE: tl.constexpr, USE_H0: tl.constexpr,
-                     STORE_HT: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+                     STORE_HT: tl.constexpr, FOLD: tl.constexpr):
+    i_v, i_nh, _ = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -63,9 +64,10 @@ def recurrent_forward(q, k, v, g, scale, initial_state, output_final_state, cu_s
     h0 = None if initial_state is None else initial_state.contiguous()
     BK = max(16, next_power_of_2(K))
     BV = min(max(16, next_power_of_2(V)), 32 if BK >= 128 else 64)
-    recurrent_kernel[(cdiv(V, BV), N * H)](
+    grid, fold = rows_grid(cdiv(V, BV), N * H)
+    recurrent_kernel[grid](
         q, k, v, g, o, h0, ht, plan.cu_seqlens, scale, H=H, K=K, V=V, BK=BK, BV=BV, VECTOR_GATE=g.dim() == 4,
-        USE_H0=h0 is not None, STORE_HT=output_final_state)
+        USE_H0=h0 is not None, STORE_HT=output_final_state, FOLD=fold)
     return o, ht
 
 

@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
-from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, next_power_of_2, tuned
-from ttr.kernels.common.tile import block_chunk_head, chunk_gate, chunk_span, load_tile, qk_rows, tile
+from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, folds, next_power_of_2, rows_grid, tuned
+from ttr.kernels.common.tile import chunk_gate, chunk_span, grid_ids, load_tile, qk_rows, tile
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def gated_scores(cb, g, i_t, i_c, i_h, bos, T, H: tl.constexpr, G: tl.constexpr,
 def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, H: tl.constexpr, G: tl.constexpr,
                       N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_D: tl.constexpr, FOLD: tl.constexpr):
-    i_v, i_t, i_h = block_chunk_head(tl.cdiv(P, BV), FOLD)
+    i_v, i_t, i_h = grid_ids(tl.cdiv(P, BV), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
     T = eos - bos
     o_i = tl.arange(0, BT)
@@ -151,7 +151,7 @@ def scores_grad_kernel(x, dt, do, g, M, cu_seqlens, chunk_indices, H: tl.constex
 def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices,
                           H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, FOLD: tl.constexpr):
-    i_k, i_t, i_r = block_chunk_head(tl.cdiv(N, BK), FOLD)
+    i_k, i_t, i_r = grid_ids(tl.cdiv(N, BK), FOLD)
     if FOLD:
         NT = tl.num_programs(0) // tl.cdiv(N, BK)
     else:
@@ -310,9 +310,10 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
     cap = {"maxnreg": 128} if BV <= 64 else {}
     cfg = tuned("ssd_output_fwd", BK=block_size(N, 128 if BV <= 64 else 64), BV=BV,
                 num_warps=4 if BV <= 64 else 8, num_stages=3, **cap)
-    output_fwd_kernel[plan.grid(cdiv(P, cfg["BV"]), H)](
+    grid, fold = rows_grid(cdiv(P, cfg["BV"]), plan.num_chunks, H)
+    output_fwd_kernel[grid](
         C, x, dt, h, cb, g, D, o, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
-        HAS_D=D is not None, FOLD=plan.fold_grid, **cfg)
+        HAS_D=D is not None, FOLD=fold, **cfg)
     return o
 
 
@@ -341,9 +342,10 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # per N block: dy·y^inter without exp(G) [NK, B, T, H] and <h, dh> [NK, NT, H], fp32
     ydo = dt.new_empty(NK, *dt.shape, dtype=torch.float32)
     hdh = dt.new_empty(NK, plan.num_chunks, H, dtype=torch.float32)
-    output_bwd_dcb_kernel[plan.grid(NK, G)](
+    grid, fold = rows_grid(NK, plan.num_chunks, G)
+    output_bwd_dcb_kernel[grid](
         C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, dt.numel() // H, plan.cu_seqlens, plan.chunk_indices,
-        H=H, G=G, N=N, P=P, BT=plan.chunk_size, FOLD=plan.fold_grid, **cfg)
+        H=H, G=G, N=N, P=P, BT=plan.chunk_size, FOLD=fold, **cfg)
     return dC, dB, (ydo, hdh)
 
 
@@ -374,7 +376,7 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     if cfg["EARLY_LOADS"] and cfg["BK"] < N:
         raise ValueError(f"ssd_rows_bwd: EARLY_LOADS needs N in one block, got N={N} and BK={cfg['BK']}")
     # more chunks than a grid's second dimension holds go first
-    cfg["HEADS_FIRST"] = cfg["HEADS_FIRST"] and not plan.fold_grid
+    cfg["HEADS_FIRST"] = cfg["HEADS_FIRST"] and not folds(NT)
     grid = (H, NT) if cfg["HEADS_FIRST"] else (NT, H)
     rows_bwd_kernel[grid](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
                           dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
