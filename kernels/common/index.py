@@ -23,7 +23,6 @@ class ChunkPlan(NamedTuple):
     chunk_size: int
 
 
-
 class Packing(NamedTuple):
     """Packed documents (``B == 1`` plus ``cu_seqlens``), validated and indexed once.
 
@@ -243,9 +242,6 @@ def keep_states(plan: ChunkPlan, min_chunks: int = KEEP_STATES_MIN_CHUNKS) -> bo
 TUNING: dict[str, dict] = {}
 
 
-# Launch arithmetic on the host. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton's constexpr
-# functions, and a call of one from Python costs about 2 us (its arguments are unwrapped first);
-# an op's fwd+bwd makes 15 - 20 of them, and its host time is what a small call waits for.
 def folds(rows: int) -> bool:
     """More rows than a grid's second dimension holds (``MAX_GRID_Y``): more than 4.19M tokens of
     chunks of 64 in a call, or more than 65,535 (sequence, head) pairs in a walk."""
@@ -263,6 +259,9 @@ def rows_grid(blocks: int, rows: int, heads: int = 1) -> tuple[tuple[int, ...], 
     return (blocks, rows, heads), False
 
 
+# Launch arithmetic on the host. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton's constexpr
+# functions, and a call of one from Python costs about 2 us (its arguments are unwrapped first);
+# an op's fwd+bwd makes 15 - 20 of them, and its host time is what a small call waits for.
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of ints, as ``triton.cdiv``."""
     return -(-a // b)
