@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ttr.kernels.common.index import ChunkPlan, cdiv, next_power_of_2
+from ttr.kernels.common.tile import chunk_span
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def logit_gate_grad(z, dg, inv_norm, clamp, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, inv_norm, clamp, H: tl.constexpr,
+def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, seq_len, inv_norm, clamp, H: tl.constexpr,
                         K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr,
                         USE_SCALE: tl.constexpr, HEAD_COLS: tl.constexpr, LOGITS: tl.constexpr,
                         CLAMP: tl.constexpr):
@@ -60,8 +61,7 @@ def chunk_cumsum_kernel(g, scale, out, cu_seqlens, chunk_indices, inv_norm, clam
     (a scalar gate seen as H = 1) and ``scale`` is read per column; with LOGITS g holds logits, each
     mapped by ``logit_gate`` first."""
     i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m = (o_t < eos)[:, None] & (o_k < K)[None, :]
@@ -93,8 +93,8 @@ def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = Fals
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     grid = (plan.num_chunks, H, cdiv(K, BK))
     inv_norm, clamp = logit_gate_args(logits)
-    chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, inv_norm, clamp, H=H, K=K,
-                              BT=plan.chunk_size, BK=BK, REVERSE=reverse, USE_SCALE=scale is not None,
+    chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, inv_norm, clamp, H=H,
+                              K=K, BT=plan.chunk_size, BK=BK, REVERSE=reverse, USE_SCALE=scale is not None,
                               HEAD_COLS=head_cols, LOGITS=logits is not None,
                               CLAMP=logits is not None and logits[1] is not None)
     return out

@@ -21,6 +21,9 @@ class ChunkPlan(NamedTuple):
     num_seqs: int
     num_chunks: int
     chunk_size: int
+    # every sequence's length where all are equally long (a batch without cu_seqlens), else 0: the
+    # chunk-parallel kernels then find a chunk's sequence and bounds without reading the index
+    seq_len: int = 0
 
 
 class Packing(NamedTuple):
@@ -152,7 +155,9 @@ def _build_packing(host: torch.Tensor, device, chunk_size: int) -> Packing:
         buf[start : start + part.numel()] = part
     buf = buf.to(device, non_blocking=True)
     cu, offsets_d, indices_d, seq_ids = (buf[start : start + p.numel()] for p, start in zip(parts, starts))
-    plan = ChunkPlan(cu, indices_d.view(num_chunks, 2), offsets_d, n, num_chunks, chunk_size)
+    uniform = n > 0 and bool((lens == lens[0]).all())
+    plan = ChunkPlan(cu, indices_d.view(num_chunks, 2), offsets_d, n, num_chunks, chunk_size,
+                     int(lens[0]) if uniform else 0)
     return Packing(cu, seq_ids, plan, tuple(host.tolist()), int(lens.max()))
 
 

@@ -83,12 +83,12 @@ SAFE_SPAN = 60.0
 
 
 @triton.jit
-def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr,
                               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                               SAFE_SPAN: tl.constexpr):
     """One program: the rows of sub-chunk ``i_i`` of one chunk and head, all ``BT`` columns."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     t0 = bos + i_c * BT
     s_i = t0 + i_i * BC
     if s_i >= eos:
@@ -142,11 +142,11 @@ def vector_gate_scores_kernel(q, k, gk, A, cu_seqlens, chunk_indices, scale, H: 
 
 
 @triton.jit
-def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr,
                               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                               BV: tl.constexpr):
     i_t, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos
     o_v = i_v * BV + tl.arange(0, BV)
@@ -170,11 +170,11 @@ def vector_gate_output_kernel(q, v, gk, A, h, o, cu_seqlens, chunk_indices, scal
 
 
 @triton.jit
-def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr, V: tl.constexpr,
-                             BT: tl.constexpr, BV: tl.constexpr):
+def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr,
+                             V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """One chunk of one head: ``dv = A^T do`` and ``dA = scale tril(do v^T)``, do read once for both."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     o_c = tl.arange(0, BT)
     o_t = bos + i_c * BT + o_c
     m_t = o_t < eos
@@ -193,7 +193,7 @@ def vector_gate_dv_dA_kernel(A, v, do, dv, dA, cu_seqlens, chunk_indices, scale,
 
 
 @triton.jit
-def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, H: tl.constexpr,
+def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr,
                                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                                  SAFE_SPAN: tl.constexpr):
     """One program: dq and dk of the rows of sub-chunk ``i_i`` of one chunk and head. The
@@ -201,7 +201,7 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
     enters (dq's from earlier sub-chunks, dk's from later ones), where one ``[BT, BK]`` tile of the
     chunk masked into both kept four such tiles live and spilled on 2 warps."""
     i_t, i_i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     t0 = bos + i_c * BT
     s_i = t0 + i_i * BC
     if s_i >= eos:
@@ -280,11 +280,11 @@ def vector_gate_intra_bwd_kernel(q, k, gk, dA, dq, dk, cu_seqlens, chunk_indices
 
 @triton.jit
 def vector_gate_bwd_dqkg_kernel(q, k, v, gk, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, cu_seqlens,
-                                chunk_indices, scale, inv_norm, clamp, SD, H: tl.constexpr, K: tl.constexpr,
+                                chunk_indices, seq_len, scale, inv_norm, clamp, SD, H: tl.constexpr, K: tl.constexpr,
                                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                 LOGITS: tl.constexpr, CLAMP: tl.constexpr, DENSE: tl.constexpr):
     i_t, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     o_t = bos + i_c * BT + tl.arange(0, BT)
     m_t = o_t < eos
     last = tl.minimum(bos + i_c * BT + BT, eos) - 1
@@ -360,7 +360,7 @@ def vector_gate_scores(q, k, gk_cum, plan: ChunkPlan, *, scale: float) -> torch.
     cap = {"maxnreg": 128} if K <= 64 else {}
     cfg = tuned("vector_gate_scores", BK=block_size(K, 32), num_warps=2, num_stages=1, **cap)
     vector_gate_scores_kernel[(plan.num_chunks, BT // SUB_CHUNK, H)](
-        q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
+        q, k, gk_cum, A, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale, H=H, K=K, BT=BT, BC=SUB_CHUNK,
         SAFE_SPAN=SAFE_SPAN, **cfg)
     return A
 
@@ -373,8 +373,8 @@ def vector_gate_output(q, v, gk_cum, A, h, plan: ChunkPlan, *, scale: float) -> 
     # BV 128: one program covers a whole value head, so A and q are read once per chunk
     cfg = tuned("vector_gate_output", BK=block_size(K, 64), BV=block_size(V, 128), num_warps=4)
     vector_gate_output_kernel[(plan.num_chunks, cdiv(V, cfg["BV"]), H)](
-        q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, K=K, V=V, BT=plan.chunk_size,
-        **cfg)
+        q, v, gk_cum, A, h, o, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale, H=H, K=K, V=V,
+        BT=plan.chunk_size, **cfg)
     return o
 
 
@@ -388,8 +388,8 @@ def vector_gate_dv_dA(A, v, do, plan: ChunkPlan, *, scale: float) -> tuple[torch
     # one V block of 128 on 4 warps: on an H200 faster than the two products as kernels of their own,
     # than BV 64 and than 8 warps (docs/benchmarks.md, launch choices)
     cfg = tuned("vector_gate_dv_dA", BV=block_size(V, 128), num_warps=4)
-    vector_gate_dv_dA_kernel[(plan.num_chunks, H)](A, v, do, dv, dA, plan.cu_seqlens, plan.chunk_indices, scale,
-                                                   H=H, V=V, BT=plan.chunk_size, **cfg)
+    vector_gate_dv_dA_kernel[(plan.num_chunks, H)](A, v, do, dv, dA, plan.cu_seqlens, plan.chunk_indices,
+                                                   plan.seq_len, scale, H=H, V=V, BT=plan.chunk_size, **cfg)
     return dv, dA
 
 
@@ -408,8 +408,8 @@ def vector_gate_intra_bwd(q, k, gk_cum, dA, plan: ChunkPlan):
     BK = block_size(K, 128)
     cfg = tuned("vector_gate_intra_bwd", BK=BK, num_warps=2 if BK <= 64 else 4, num_stages=1)
     vector_gate_intra_bwd_kernel[(plan.num_chunks, plan.chunk_size // SUB_CHUNK, H)](
-        q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=plan.chunk_size, BC=SUB_CHUNK,
-        SAFE_SPAN=SAFE_SPAN, **cfg)
+        q, k, gk_cum, dA, dq, dk, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H, K=K, BT=plan.chunk_size,
+        BC=SUB_CHUNK, SAFE_SPAN=SAFE_SPAN, **cfg)
     return dq, dk
 
 
@@ -434,7 +434,7 @@ def vector_gate_bwd_dqkg(q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, plan: C
     inv_norm, clamp = logit_gate_args(None if logits is None else logits[1:])
     cfg = tuned("vector_gate_bwd_dqkg", BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     vector_gate_bwd_dqkg_kernel[(plan.num_chunks, cdiv(K, cfg["BK"]), H)](
-        q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices, scale,
-        inv_norm, clamp, stride, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
+        q, k, v, gk_cum, h, dh, do, dq_intra, dk_intra, dq, dk, dg, z, plan.cu_seqlens, plan.chunk_indices,
+        plan.seq_len, scale, inv_norm, clamp, stride, H=H, K=K, V=V, BT=plan.chunk_size, LOGITS=z is not None,
         CLAMP=logits is not None and logits[2] is not None, DENSE=stride == H * K, **cfg)
     return dq, dk, dg

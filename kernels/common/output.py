@@ -27,11 +27,11 @@ from ttr.kernels.common.tile import chunk_gate, chunk_span, grid_ids, qk_rows, t
 
 
 @triton.jit
-def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr, HK: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_G: tl.constexpr, FOLD: tl.constexpr):
     i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -83,11 +83,11 @@ def dv_scores(b_A, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
+def output_bwd_dv_kernel(q, k, g, do, dv, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr, HK: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          USE_G: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     b_A = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = k_j . q_i
     for i_k in range(tl.cdiv(K, BK)):
@@ -111,12 +111,12 @@ def scores_times_rows(b_A, do, dv, bos, i_c, i_h, T, H: tl.constexpr, V: tl.cons
 
 
 @triton.jit
-def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, TT,
+def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens, chunk_indices, seq_len, scale, TT,
                           H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_W: tl.constexpr,
                           FOLD: tl.constexpr):
     i_k, i_t, i_h = grid_ids(tl.cdiv(K, BK), FOLD)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     p_hb = h + (i_t.to(tl.int64) * H + i_h) * K * V
     p_dhb = dh + (i_t.to(tl.int64) * H + i_h) * K * V
@@ -257,8 +257,8 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tenso
     cfg = tuned("output_fwd", BV=block_size(V, 128), num_warps=8, num_stages=3)
     grid, fold = rows_grid(cdiv(V, cfg['BV']), plan.num_chunks, H)
     output_fwd_kernel[grid](
-        q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK,
-        USE_G=g is not None, FOLD=fold, **cfg)
+        q, k, v, h, g, o, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale, H=H, HK=HK, K=K, V=V,
+        BT=plan.chunk_size, BK=BK, USE_G=g is not None, FOLD=fold, **cfg)
     return o
 
 
@@ -268,7 +268,8 @@ def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: Chun
     H, V = do.shape[2:]
     BK, BV = block_size(K, 64), block_size(V, 64)
     dv = torch.empty_like(do)
-    output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, scale, H=H,
+    output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, plan.seq_len,
+                                               scale, H=H,
                                                HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
                                                **tuned("output_bwd_dv"))
     return dv
@@ -328,8 +329,8 @@ def output_bwd_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.T
     dg = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32) if g is not None else None
     grid, fold = rows_grid(NK, plan.num_chunks, H)
     output_bwd_dqk_kernel[grid](
-        q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, scale, B * T, H=H, HK=HK, K=K,
-        V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, FOLD=fold, **cfg)
+        q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale, B * T,
+        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, USE_G=g is not None, USE_W=dv is not None, FOLD=fold, **cfg)
     if dg is not None:
         dg = dg[0] if NK == 1 else dg.sum(0)
     return dq, dk, dw, dg

@@ -19,11 +19,22 @@ def tile(base, r0, c0, n_r, n_c, s_r, s_c, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def chunk_span(chunk_indices, cu_seqlens, i_t):
+def chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT: tl.constexpr):
     """Global chunk ``i_t``'s sequence ``i_n``, chunk index ``i_c`` within it, and the sequence's token
-    bounds ``bos``, ``eos`` (int64) in the flattened ``[B*T]`` axis (see ``index.ChunkPlan``)."""
-    i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bounds ``bos``, ``eos`` (int64) in the flattened ``[B*T]`` axis (see ``index.ChunkPlan``).
+
+    With ``seq_len > 0`` (``ChunkPlan.seq_len``: every sequence that long) they follow from ``i_t``
+    by arithmetic. Else they are read from the plan: a load, then a load at an address that depends
+    on it, which a chunk's program waits out before it can address its first tile."""
+    if seq_len > 0:
+        nt = tl.cdiv(seq_len, BT)
+        i_n = i_t // nt
+        i_c = i_t - i_n * nt
+        bos = i_n.to(tl.int64) * seq_len
+        eos = bos + seq_len
+    else:
+        i_n, i_c = tl.load(chunk_indices + i_t * 2), tl.load(chunk_indices + i_t * 2 + 1)
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     return i_n, i_c, bos, eos
 
 

@@ -56,8 +56,8 @@ def gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
-def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, scale, H: tl.constexpr, HK: tl.constexpr,
-                       K: tl.constexpr,
+def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr,
+                       HK: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr, USE_YS: tl.constexpr,
                        FOLD: tl.constexpr):
@@ -66,7 +66,7 @@ def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, scale, H
     USE_YS the rows of y are scaled by ``ys [B, T, H]`` first (``state_fwd``'s ``u_scale``)."""
     i_kv, i_t, i_h = grid_ids(tl.cdiv(K, BK) * tl.cdiv(V, BV), FOLD)
     i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     b_x = load_tile(qk_rows(x, bos, i_h, H, HK, K), i_k * BK, i_c * BT, K, T, 1, HK * K, BK, BT)  # [BK, BT]
     b_x = gated_xT(b_x, g, gk, bos, T, i_c, i_h, i_k * BK, H, K, BT, BK, USE_G, USE_GK, DECAY)
@@ -116,14 +116,14 @@ def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.cons
 
 
 @triton.jit
-def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, SDV, H: tl.constexpr, HK: tl.constexpr,
+def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, seq_len, SDV, H: tl.constexpr, HK: tl.constexpr,
                     K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                     USE_GK: tl.constexpr, FOLD: tl.constexpr):
     """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known); ``SDV`` is
     dv2's token stride."""
     i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     b_dv = load_tile(dv + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV).to(tl.float32)
     p_dh = dh + (i_t.to(tl.int64) * H + i_h) * K * V
@@ -145,7 +145,8 @@ def chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, sca
     cfg = tuned(stage, BK=block_size(K, 64), BV=block_size(V, 64), num_warps=4)
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
     grid, fold = rows_grid(cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), plan.num_chunks, H)
-    state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, scale, H=H, HK=HK, K=K,
+    state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale,
+                             H=H, HK=HK, K=K,
                              V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
                              USE_YS=y_scale is not None, FOLD=fold, **cfg)
     return out
@@ -180,7 +181,7 @@ def dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: Ch
     dv2 = torch.empty_like(dv) if out is None else out
     grid, fold = rows_grid(cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_dv_kernel[grid](
-        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, token_stride("dv_out", dv2, dv.shape),
+        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, token_stride("dv_out", dv2, dv.shape),
         H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
         USE_G=g is not None, USE_GK=gk is not None, FOLD=fold, **cfg)
     return dv2

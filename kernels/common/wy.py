@@ -76,14 +76,14 @@ def _dot(a, b):
 
 
 @triton.jit
-def _wy_chunk(beta, g, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+def _wy_chunk(beta, g, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
     """What every WY launch opens with for its program's (chunk, head): the head, the chunk's index
     in its sequence, the sequence's start and length, the chunk's first token, its valid rows (index,
     count, mask), its betas (fp32), its cumulative gates (``chunk_gate``; zeros without a gate) and
     the offsets of its ``[BT, BT]`` tile in ``Ai`` (and in the inverse's fp32 scratch, of the same
     layout)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     g0 = bos + i_c * BT
     n_valid = T - i_c * BT
@@ -99,13 +99,14 @@ def _wy_chunk(beta, g, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.conste
 
 
 @triton.jit
-def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr, K: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
     """``Ai = (I + A)^-1`` of each chunk, a launch of its own (on one warp, ``WY_INVERSE_WARPS``)
     rather than the head of the w, u products' launch (docs/benchmarks.md, the WY forward's choice).
     The substitutions run in fp32 through the scratch ``S``; ``Ai`` takes each finished block in
     the inputs' dtype, the one its readers round it to for their products."""
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
+                                                                          seq_len, H, BT,
                                                                         USE_G)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -164,13 +165,14 @@ def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, H: tl.conste
 
 
 @triton.jit
-def wy_fwd_kernel(k, v, beta, g, w, u, Ai, q, s, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def wy_fwd_kernel(k, v, beta, g, w, u, Ai, q, s, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                   SCORES: tl.constexpr):
     """``w = T (K ⊙ exp(g))`` and ``u = T V`` with ``T = Ai diag(beta)``; ``SCORES``: also the
     chunk's ``s = q k^T ⊙ causal ⊙ Γ`` (in s's dtype, the layout of ``Ai``), from the k tiles
     loaded for w."""
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
+                                                                          seq_len, H, BT,
                                                                         USE_G)
     b_T = tl.load(Ai + o_A, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     if SCORES:
@@ -201,10 +203,11 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, q, s, cu_seqlens, chunk_indices, H: t
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, seq_len,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
-    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices, H, BT,
+    i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
+                                                                          seq_len, H, BT,
                                                                         USE_G)
     m_A = o_i[:, None] > o_i[None, :]
     dt = k.dtype.element_ty
@@ -310,10 +313,11 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
         # it to that dtype for its products; the substitutions' fp32 scratch lives for this launch
         scratch = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
         Ai = torch.empty(B, T, H, BT, device=k.device, dtype=k.dtype)
-        wy_inverse_kernel[grid](k, beta, g, scratch, Ai, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, BT=BT, BK=BK,
-                                USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
+        wy_inverse_kernel[grid](k, beta, g, scratch, Ai, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H, K=K,
+                                BT=BT, BK=BK, USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
     scores = None if q is None else torch.empty(B, T, H, BT, device=k.device, dtype=q.dtype)
-    wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, q, scores, plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=BT,
+    wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, q, scores, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H,
+                        K=K, V=V, BT=BT,
                         USE_G=g is not None, SCORES=q is not None, **tuned("wy_fwd", BK=BK, BV=BV, num_warps=4))
     return (w, u, Ai) if q is None else (w, u, Ai, scores)
 
@@ -333,7 +337,8 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Ai: torch.Tenso
     dbeta = torch.empty_like(beta)
     dg_out = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if g is not None else None
     wy_bwd_kernel[(plan.num_chunks, H)](k, v, beta, g, Ai, dw, du, dk, dg, dk_out, dv, dbeta, dg_out,
-                                         plan.cu_seqlens, plan.chunk_indices, H=H, K=K, V=V, BT=plan.chunk_size,
+                                         plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H, K=K, V=V,
+                                         BT=plan.chunk_size,
                                          USE_G=g is not None, HAS_DK=dk is not None, HAS_DG=dg is not None,
                                          **tuned("wy_bwd", BK=BK, BV=BV))
     return dk_out, dv, dbeta, dg_out

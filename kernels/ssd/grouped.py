@@ -60,10 +60,10 @@ from ttr.kernels.common.tile import chunk_gate, chunk_span, grid_ids, load_tile,
 
 
 @triton.jit
-def cb_fwd_kernel(C, B, cb, cu_seqlens, chunk_indices, G: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
+def cb_fwd_kernel(C, B, cb, cu_seqlens, chunk_indices, seq_len, G: tl.constexpr, N: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr):
     i_t, i_r = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     b_cb = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(N, BK)):
@@ -94,11 +94,11 @@ def gated_scores(cb, g, i_t, i_c, i_h, bos, T, H: tl.constexpr, G: tl.constexpr,
 
 
 @triton.jit
-def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, H: tl.constexpr, G: tl.constexpr,
+def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr, G: tl.constexpr,
                       N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_D: tl.constexpr, FOLD: tl.constexpr):
     i_v, i_t, i_h = grid_ids(tl.cdiv(P, BV), FOLD)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     o_i = tl.arange(0, BT)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -122,11 +122,11 @@ def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, H: tl
 
 
 @triton.jit
-def scores_grad_kernel(x, dt, do, g, M, cu_seqlens, chunk_indices, H: tl.constexpr, G: tl.constexpr,
+def scores_grad_kernel(x, dt, do, g, M, cu_seqlens, chunk_indices, seq_len, H: tl.constexpr, G: tl.constexpr,
                        P: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """``M = sum_h (dy_h v_h^T) ⊙ Γ_h`` (causal, ``v = x dt``) of one chunk and group, in M's dtype."""
     i_t, i_r = tl.program_id(0), tl.program_id(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
@@ -148,7 +148,7 @@ def scores_grad_kernel(x, dt, do, g, M, cu_seqlens, chunk_indices, H: tl.constex
 
 
 @triton.jit
-def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices,
+def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_seqlens, chunk_indices, seq_len,
                           H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, FOLD: tl.constexpr):
     i_k, i_t, i_r = grid_ids(tl.cdiv(N, BK), FOLD)
@@ -156,7 +156,7 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
         NT = tl.num_programs(0) // tl.cdiv(N, BK)
     else:
         NT = tl.num_programs(1)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
@@ -205,7 +205,7 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
 
 
 @triton.jit
-def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R, cu_seqlens, chunk_indices,
+def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R, cu_seqlens, chunk_indices, seq_len,
                     H: tl.constexpr, G: tl.constexpr, N: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BP: tl.constexpr, NK: tl.constexpr, HAS_D: tl.constexpr,
                     EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr):
@@ -221,7 +221,7 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     else:
         i_t, i_h = tl.program_id(0), tl.program_id(1)
         NT = tl.num_programs(0)
-    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, i_t)
+    i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
@@ -285,7 +285,7 @@ def cb_fwd(C: torch.Tensor, B: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     _, _, G, N = C.shape
     BT = plan.chunk_size
     cb = torch.empty(plan.num_chunks, G, BT, BT, device=C.device, dtype=torch.float32)
-    cb_fwd_kernel[(plan.num_chunks, G)](C, B, cb, plan.cu_seqlens, plan.chunk_indices, G=G, N=N, BT=BT,
+    cb_fwd_kernel[(plan.num_chunks, G)](C, B, cb, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, G=G, N=N, BT=BT,
                                         **tuned("ssd_cb", BK=block_size(N, 64), num_warps=4))
     return cb
 
@@ -312,8 +312,8 @@ def output_fwd(C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, h: torch.Tens
                 num_warps=4 if BV <= 64 else 8, num_stages=3, **cap)
     grid, fold = rows_grid(cdiv(P, cfg["BV"]), plan.num_chunks, H)
     output_fwd_kernel[grid](
-        C, x, dt, h, cb, g, D, o, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P, BT=plan.chunk_size,
-        HAS_D=D is not None, FOLD=fold, **cfg)
+        C, x, dt, h, cb, g, D, o, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H, G=G, N=N, P=P,
+        BT=plan.chunk_size, HAS_D=D is not None, FOLD=fold, **cfg)
     return o
 
 
@@ -333,7 +333,8 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # Mamba2-1.3B's N = 128 and at N = 64 in 8 groups, and M's kernel faster on 2 warps than on 4
     # (docs/benchmarks.md)
     M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
-    scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, P=P,
+    scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H,
+                                             G=G, P=P,
                                              BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
                                                                          num_warps=2, num_stages=3))
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
@@ -345,7 +346,7 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     grid, fold = rows_grid(NK, plan.num_chunks, G)
     output_bwd_dcb_kernel[grid](
         C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, dt.numel() // H, plan.cu_seqlens, plan.chunk_indices,
-        H=H, G=G, N=N, P=P, BT=plan.chunk_size, FOLD=fold, **cfg)
+        plan.seq_len, H=H, G=G, N=N, P=P, BT=plan.chunk_size, FOLD=fold, **cfg)
     return dC, dB, (ydo, hdh)
 
 
@@ -379,7 +380,7 @@ def rows_bwd(B, x, dt, A, D, dh, cb, g, do, terms, plan: ChunkPlan):
     cfg["HEADS_FIRST"] = cfg["HEADS_FIRST"] and not folds(NT)
     grid = (H, NT) if cfg["HEADS_FIRST"] else (NT, H)
     rows_bwd_kernel[grid](B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD if dD is not None else dA,
-                          dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, H=H, G=G, N=N, P=P,
+                          dt.numel() // H, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H, G=G, N=N, P=P,
                           BT=plan.chunk_size, BP=max(16, next_power_of_2(P)), NK=ydo.shape[0],
                           HAS_D=D is not None, **cfg)
     sums = shares.sum(1)
