@@ -22,7 +22,7 @@ from ttr.kernels import (
 )
 from ttr.kernels.common import index, state
 
-from .conftest import rel_rms
+from .conftest import op_leaves, rel_rms
 
 OPS = {"gla": chunk_gla, "simple_gla": chunk_simple_gla, "delta": chunk_delta_rule,
        "gated_delta": chunk_gated_delta_rule, "ssd": chunk_ssd, "recurrent_gla": recurrent_gla,
@@ -33,28 +33,6 @@ FOLDING = {"output_fwd_kernel", "output_bwd_dqk_kernel", "state_chunk_kernel", "
            "output_bwd_dqk_walk_kernel", "recurrent_kernel", "recurrent_delta_kernel"}
 # three documents of 2 chunks each: 6 chunks and 6 (sequence, head) pairs against a bound of 4
 CU = torch.tensor([0, 100, 190, 300])
-
-
-def _leaves(op, T, H=2, D=32, device="cpu", dtype=torch.float32):
-    """``OPS[op]``'s inputs for T tokens (B = 1) as leaves: x, B, C, q, k, v in dtype; the gates, dt,
-    A and beta in fp32."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.rand(*s, device=device, generator=gen)  # noqa: E731
-    randn = lambda *s: torch.randn(*s, device=device, generator=gen).to(dtype)  # noqa: E731
-    base = op.removeprefix("recurrent_")
-    if base == "ssd":
-        out = dict(x=randn(1, T, H, D), dt=rand(1, T, H) * 0.5 + 0.05, A=-rand(H) - 0.5, B=randn(1, T, 1, D),
-                   C=randn(1, T, 1, D))
-    else:
-        k = torch.nn.functional.normalize(torch.randn(1, T, H, D, device=device, generator=gen), dim=-1)
-        out = dict(q=randn(1, T, H, D), k=k.to(dtype), v=randn(1, T, H, D))
-        if base == "gla":
-            out["g"] = -rand(1, T, H, D) * 0.05
-        elif base in ("simple_gla", "gated_delta"):
-            out["g"] = -rand(1, T, H) * 0.05
-        if base in ("delta", "gated_delta"):
-            out["beta"] = rand(1, T, H)
-    return {n: t.requires_grad_() for n, t in out.items()}
 
 
 def _run(monkeypatch, op, two_level, limit):
@@ -73,7 +51,7 @@ def _run(monkeypatch, op, two_level, limit):
         m.setattr(KernelInterface, "__getitem__", spy)
         m.setattr(state, "_two_level", lambda *a, **k: two_level)
         m.setattr(index, "MAX_GRID_Y", limit)
-        leaves = _leaves(op, int(CU[-1]))
+        leaves = op_leaves(op, int(CU[-1]))
         y = OPS[op](**leaves, cu_seqlens=CU)[0]
         if y.requires_grad:  # the recurrent ops run forward only
             y.sum().backward()
@@ -118,7 +96,7 @@ def test_gpu_one_call_past_65535_chunks(op):
     """One sequence of 65,600 chunks (4.2M tokens) in one call, against the same tokens in two calls
     of 32,800 chunks joined by the first call's final state."""
     T = 65_600 * 64
-    leaves = _leaves(op, T, device="cuda", dtype=torch.bfloat16)
+    leaves = op_leaves(op, T, device="cuda", dtype=torch.bfloat16)
     first, second = _halves(leaves, T // 2)
     y1, s = OPS[op](**first, output_final_state=True)
     y2, _ = OPS[op](**second, initial_state=s)
@@ -132,7 +110,7 @@ def test_gpu_walks_past_65535_pairs(op):
     same documents in two calls of 515."""
     docs, L = 1030, 64
     T = docs * L
-    leaves = _leaves(op, T, H=64, device="cuda", dtype=torch.bfloat16)
+    leaves = op_leaves(op, T, H=64, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, T + 1, L, device="cuda", dtype=torch.int32)
     first, second = _halves(leaves, T // 2)
     y_two = torch.cat([OPS[op](**first, cu_seqlens=cu[: docs // 2 + 1])[0],

@@ -31,8 +31,10 @@ from ttr.kernels import (
     reference_ssd,
 )
 from ttr.kernels import utils as kernel_utils
-from ttr.kernels.common import index
+from ttr.kernels.common import index, state
 from ttr.kernels.common.index import prepare_chunks
+
+from .conftest import op_leaves
 
 T, H, D = 70, 2, 16
 CU = [0, 1, 5, 5, 70]  # a one-token document, an empty one, one across a chunk boundary
@@ -66,6 +68,35 @@ def test_prepare_packing_indexes_the_documents(cu, dtype):
     # a Packing passes through as it is: same device, same plan
     assert prepare_packing(p, cu[-1]) is p and p.to("cpu") is p
     assert prepare_chunks(p, 1, cu[-1], device="cpu") is p.plan
+
+
+@pytest.mark.parametrize("cu,seq_len", [(CU, 0), ([0, 128], 128), ([0, 100, 200, 300], 100), ([0, 0], 0)])
+def test_plan_keeps_a_common_sequence_length(cu, seq_len):
+    assert prepare_packing(torch.tensor(cu), cu[-1]).plan.seq_len == seq_len
+    assert prepare_chunks(None, 3, 100, device="cpu").seq_len == 100
+
+
+CHUNK_OPS = {"gla": chunk_gla, "simple_gla": chunk_simple_gla, "delta": chunk_delta_rule,
+             "gated_delta": chunk_gated_delta_rule, "ssd": chunk_ssd}
+
+
+@pytest.mark.parametrize("two_level", [False, True], ids=["walks", "two_level"])
+@pytest.mark.parametrize("op", list(CHUNK_OPS))
+def test_common_length_finds_chunks_by_arithmetic(monkeypatch, op, two_level):
+    """Documents of one length (100 tokens: a full chunk and a partial one each) give the bits of the
+    same plan read through its index (``seq_len`` 0), in the output and every input's gradient."""
+    monkeypatch.setenv("TTR_KERNEL_BACKEND", "triton")
+    monkeypatch.setattr(state, "_two_level", lambda *a, **k: two_level)
+    packing = prepare_packing(torch.tensor([0, 100, 200, 300]), 300)
+    assert packing.plan.seq_len == 100
+    results = []
+    for p in (packing, packing._replace(plan=packing.plan._replace(seq_len=0))):
+        leaves = op_leaves(op, 300)
+        y = CHUNK_OPS[op](**leaves, cu_seqlens=p)[0]
+        y.sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves.values()])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
