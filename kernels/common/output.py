@@ -33,6 +33,9 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, seq_len, scal
     i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
     i_n, i_c, bos, eos = chunk_span(chunk_indices, cu_seqlens, seq_len, i_t, BT)
     T = eos - bos
+    b_g = None
+    if USE_G:
+        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -46,21 +49,20 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, seq_len, scal
         b_A += tl.dot(b_q, b_k)
     p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
     p_o, m_o = tile(o + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
-    b_o = chunk_output(b_o, b_A, tl.load(p_v, mask=m_v, other=0.), g, bos, i_c, T, i_h, scale, H, BT, USE_G, False)
+    b_o = chunk_output(b_o, b_A, tl.load(p_v, mask=m_v, other=0.), b_g, scale, BT, USE_G, False)
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
-def chunk_output(b_o, b_A, b_v, g, bos, i_c, T, i_h, scale, H: tl.constexpr, BT: tl.constexpr,
-                 USE_G: tl.constexpr, SCORED: tl.constexpr):
+def chunk_output(b_o, b_A, b_v, b_g, scale, BT: tl.constexpr, USE_G: tl.constexpr, SCORED: tl.constexpr):
     """One chunk's output from its two products, ``b_o = q h`` (``[BT, BV]``) and ``b_A = q k^T``
-    (``[BT, BT]``), both fp32, and its values ``b_v``: ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙
-    Γ) v)`` (``output_fwd``'s, and the state walk's when it forms the output). ``SCORED``: ``b_A``
-    is already ``q k^T ⊙ causal ⊙ Γ`` in the values' dtype (the scores ``wy_fwd`` keeps)."""
+    (``[BT, BT]``), both fp32, its values ``b_v`` and its gate ``b_g`` (``tile.chunk_gate``'s, read
+    by the caller ahead of the products): ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙ Γ) v)``
+    (``output_fwd``'s, and the state walk's when it forms the output). ``SCORED``: ``b_A`` is
+    already ``q k^T ⊙ causal ⊙ Γ`` in the values' dtype (the scores ``wy_fwd`` keeps)."""
     o_i = tl.arange(0, BT)
     m_A = o_i[:, None] >= o_i[None, :]
     if USE_G:
-        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_o *= fast_exp(b_g)[:, None]
         if not SCORED:
             b_A *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))

@@ -65,7 +65,15 @@ from ttr.kernels.common.index import (
     tuned,
 )
 from ttr.kernels.common.output import chunk_output, dv_scores, output_bwd_dv, output_fwd
-from ttr.kernels.common.tile import decay_kT, grid_ids, load_tile, qk_rows, store_tile
+from ttr.kernels.common.tile import (
+    chunk_gate,
+    chunk_gate_last,
+    decay_kT,
+    grid_ids,
+    load_tile,
+    qk_rows,
+    store_tile,
+)
 
 
 @triton.jit
@@ -96,7 +104,14 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
         b_h += load_tile(p_h0, 0, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
         if SPLIT:
             b_h2 += load_tile(p_h0, BK, i_v * BV, K, V, V, 1, BK, BV).to(tl.float32)
+    if not USE_G:
+        b_g = None  # chunk_output's gate
     for i_c in range(tl.cdiv(T, BT)):
+        if USE_W and USE_G:
+            # the delta rules' walks read the chunk's gate at the head of the step, so that its loads
+            # (not among the pipelined tiles) are in flight during the products; the other walks
+            # timed slower so on an H200 and read it where it is first used (docs/benchmarks.md)
+            b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)
         if STORE_H:
             p_h = h + ((boh + i_c) * H + i_h) * K * V
             store_tile(p_h, b_h, 0, i_v * BV, K, V, V, 1, BK, BV)
@@ -146,16 +161,18 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
             if USE_GK:
                 b_o = b_o * scale + tl.dot(b_A.to(b_k.dtype), b_v.to(b_k.dtype))
             else:
-                b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), g, bos, i_c, T, i_h, scale, H, BT, USE_G,
-                                   KEPT_S)
+                if USE_G and not USE_W:
+                    b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)
+                b_o = chunk_output(b_o, b_A, b_v.to(b_k.dtype), b_g, scale, BT, USE_G, KEPT_S)
             if USE_SKIP:
                 # u's tile as loaded (a cache hit) rather than held unscaled beside b_v
                 b_o += tl.load(skip + i_h) * load_tile(u + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1,
                                                         BT, BV).to(tl.float32)
             store_tile(o + (bos * H + i_h) * V, b_o, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         if USE_G:
-            b_gl = tl.load(g + (bos + last) * H + i_h)
-            b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+            if not USE_W:
+                b_gl = tl.load(g + (bos + last) * H + i_h)
+                b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
             b_v *= fast_exp(tl.where(m_t, b_gl - b_g, 0.))[:, None]
             b_h *= fast_exp(b_gl)
             if SPLIT:
@@ -205,6 +222,9 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
     NC = tl.cdiv(T, BT)
     for i_r in range(NC):
         i_c = NC - 1 - i_r
+        if USE_W and USE_G:
+            # at the head of the step, as in the forward walk
+            b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)
         p_dh = dh + ((boh + i_c) * H + i_h) * K * V
         store_tile(p_dh, b_dh, 0, i_v * BV, K, V, V, 1, BK, BV)
         if SPLIT:
@@ -239,8 +259,9 @@ def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seq
         if USE_G:
             # a scalar gate scales the chunk's rows: it goes on the [BT, BV] side of each product
             # (do's rows, k dh's rows), BV / K of the element-wise work of scaling q's and k's tiles
-            b_gl = tl.load(g + (bos + last) * H + i_h)
-            b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
+            if not USE_W:
+                b_gl = tl.load(g + (bos + last) * H + i_h)
+                b_g = tl.load(g + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
             b_dec = fast_exp(tl.where(m_t, b_gl - b_g, 0.))
             b_do = (b_do * fast_exp(b_g)[:, None]).to(b_do.dtype)
         if USE_GK:

@@ -51,15 +51,22 @@ def grid_ids(NX: tl.constexpr, FOLD: tl.constexpr):
 
 @triton.jit
 def chunk_gate(g, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """``chunk_gate_last``'s gate alone."""
+    return chunk_gate_last(g, t0, n_valid, i_h, H, BT)[0]
+
+
+@triton.jit
+def chunk_gate_last(g, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr):
     """The chunk's cumulative scalar gate ``g[t0 + i]`` (``[BT]``, fp32), padded rows (``i >=
     n_valid``) set to the last valid row's value. A padded row must not read 0: under strong decay
     ``exp(0 - g_j)`` overflows and ``0 * inf`` turns its (masked-out) products into NaN that column
     sums carry into valid rows; with the last valid value every ``exp(g_i - g_j)``, ``j <= i``, stays
-    <= 1. (A [BT, BT] validity mask does the same at the cost of registers in the widest kernels.)"""
+    <= 1. (A [BT, BT] validity mask does the same at the cost of registers in the widest kernels.)
+    Returns ``(g, g_last)``, the last valid value apart as well."""
     o_i = tl.arange(0, BT)
     b_g = tl.load(g + (t0 + o_i) * H + i_h, mask=o_i < n_valid, other=0.)
     b_gl = tl.load(g + (t0 + tl.minimum(n_valid, BT) - 1) * H + i_h)
-    return tl.where(o_i < n_valid, b_g, b_gl)
+    return tl.where(o_i < n_valid, b_g, b_gl), b_gl
 
 
 @triton.jit
