@@ -109,8 +109,9 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
     for i_c in range(tl.cdiv(T, BT)):
         if USE_W and USE_G:
             # the delta rules' walks read the chunk's gate at the head of the step, so that its loads
-            # (not among the pipelined tiles) are in flight during the products; the other walks
-            # timed slower so on an H200 and read it where it is first used (docs/benchmarks.md)
+            # (not among the pipelined tiles) are in flight during the products; SSD's walks timed
+            # no faster so on an H200, and the other walks read it where it is first used
+            # (docs/benchmarks.md, the choices table)
             b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)
         if STORE_H:
             p_h = h + ((boh + i_c) * H + i_h) * K * V
