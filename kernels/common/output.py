@@ -57,7 +57,7 @@ def output_fwd_kernel(q, k, v, h, g, o, cu_seqlens, chunk_indices, seq_len, scal
 def chunk_output(b_o, b_A, b_v, b_g, scale, BT: tl.constexpr, USE_G: tl.constexpr, SCORED: tl.constexpr):
     """One chunk's output from its two products, ``b_o = q h`` (``[BT, BV]``) and ``b_A = q k^T``
     (``[BT, BT]``), both fp32, its values ``b_v`` and its gate ``b_g`` (``tile.chunk_gate``'s, read
-    by the caller ahead of the products): ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙ Γ) v)``
+    by the caller, which chooses when): ``scale ((q h) ⊙ exp(g) + (q k^T ⊙ causal ⊙ Γ) v)``
     (``output_fwd``'s, and the state walk's when it forms the output). ``SCORED``: ``b_A`` is
     already ``q k^T ⊙ causal ⊙ Γ`` in the values' dtype (the scores ``wy_fwd`` keeps)."""
     o_i = tl.arange(0, BT)
