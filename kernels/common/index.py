@@ -21,8 +21,9 @@ class ChunkPlan(NamedTuple):
     num_seqs: int
     num_chunks: int
     chunk_size: int
-    # every sequence's length where all are equally long (a batch without cu_seqlens), else 0: the
-    # chunk-parallel kernels then find a chunk's sequence and bounds without reading the index
+    # every sequence's length where all are equally long (a batch without cu_seqlens, or documents
+    # of one length), else 0: the chunk stages then find a chunk's sequence and bounds without
+    # reading the index (tile.chunk_span)
     seq_len: int = 0
 
 
