@@ -258,8 +258,8 @@ def rows_grid(blocks: int, rows: int, heads: int = 1) -> tuple[tuple[int, ...], 
     """``(grid, fold)`` for a stage of ``blocks`` programs (of values or keys) per row (a chunk, or a
     walk's sequence and head) and head, read back by ``tile.grid_ids(NX, FOLD=fold)``: ``(blocks,
     rows, heads)``, or past ``MAX_GRID_Y`` rows ``(blocks * rows, heads)``. The programs run in the
-    same order either way; the folded grid is not the default because its stages timed slower, up to
-    6 % (docs/benchmarks.md, launch choices)."""
+    same order either way; the folded grid is not the default because its stages timed slower
+    (docs/benchmarks.md, launch choices)."""
     if folds(rows):
         return (blocks * rows, heads), True
     return (blocks, rows, heads), False
