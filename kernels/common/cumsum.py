@@ -93,8 +93,8 @@ def chunk_local_cumsum(g: torch.Tensor, plan: ChunkPlan, *, reverse: bool = Fals
     out = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     grid = (plan.num_chunks, H, cdiv(K, BK))
     inv_norm, clamp = logit_gate_args(logits)
-    chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, inv_norm, clamp, H=H,
-                              K=K, BT=plan.chunk_size, BK=BK, REVERSE=reverse, USE_SCALE=scale is not None,
+    chunk_cumsum_kernel[grid](g, scale, out, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, inv_norm, clamp,
+                              H=H, K=K, BT=plan.chunk_size, BK=BK, REVERSE=reverse, USE_SCALE=scale is not None,
                               HEAD_COLS=head_cols, LOGITS=logits is not None,
                               CLAMP=logits is not None and logits[1] is not None)
     return out

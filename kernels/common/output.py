@@ -271,9 +271,8 @@ def output_bwd_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, plan: Chun
     BK, BV = block_size(K, 64), block_size(V, 64)
     dv = torch.empty_like(do)
     output_bwd_dv_kernel[(plan.num_chunks, H)](q, k, g, do, dv, plan.cu_seqlens, plan.chunk_indices, plan.seq_len,
-                                               scale, H=H,
-                                               HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, USE_G=g is not None,
-                                               **tuned("output_bwd_dv"))
+                                               scale, H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV,
+                                               USE_G=g is not None, **tuned("output_bwd_dv"))
     return dv
 
 

@@ -146,9 +146,8 @@ def chunk_terms(x: torch.Tensor, y: torch.Tensor, plan: ChunkPlan, *, g, gk, sca
     out = torch.empty(plan.num_chunks, H, K, V, device=x.device, dtype=torch.float32)
     grid, fold = rows_grid(cdiv(K, cfg["BK"]) * cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_chunk_kernel[grid](x, y, y_scale, g, gk, out, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, scale,
-                             H=H, HK=HK, K=K,
-                             V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None, DECAY=decay,
-                             USE_YS=y_scale is not None, FOLD=fold, **cfg)
+                             H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, USE_G=g is not None, USE_GK=gk is not None,
+                             DECAY=decay, USE_YS=y_scale is not None, FOLD=fold, **cfg)
     return out
 
 

@@ -334,9 +334,9 @@ def output_bwd_dcb(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, dt: torch.
     # (docs/benchmarks.md)
     M = C.new_empty(plan.num_chunks, G, plan.chunk_size, plan.chunk_size)
     scores_grad_kernel[(plan.num_chunks, G)](x, dt, do, g, M, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H,
-                                             G=G, P=P,
-                                             BT=plan.chunk_size, **tuned("ssd_scores_grad", BV=block_size(P, 64),
-                                                                         num_warps=2, num_stages=3))
+                                             G=G, P=P, BT=plan.chunk_size,
+                                             **tuned("ssd_scores_grad", BV=block_size(P, 64), num_warps=2,
+                                                     num_stages=3))
     cfg = tuned("ssd_output_bwd_dcb", BK=block_size(N, 64), BV=block_size(P, 64), num_warps=4, num_stages=3)
     dC, dB = torch.empty_like(C), torch.empty_like(B)
     NK = cdiv(N, cfg["BK"])
