@@ -56,7 +56,15 @@ import triton.language as tl
 
 from ttr.kernels.common.approx import fast_exp
 from ttr.kernels.common.index import ChunkPlan, block_size, cdiv, folds, next_power_of_2, rows_grid, tuned
-from ttr.kernels.common.tile import chunk_gate, chunk_span, grid_ids, load_tile, qk_rows, tile
+from ttr.kernels.common.tile import (
+    chunk_gate,
+    chunk_gate_last,
+    chunk_span,
+    grid_ids,
+    load_tile,
+    qk_rows,
+    tile,
+)
 
 
 @triton.jit
@@ -160,7 +168,6 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
     T = eos - bos
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
-    last = tl.minimum((i_c + 1) * BT, T) - 1
     b_dc = tl.zeros([BT, BK], dtype=tl.float32)
     b_db = tl.zeros([BT, BK], dtype=tl.float32)
     p_c, m_c = tile(qk_rows(C, bos, i_r, G, G, N), i_c * BT, i_k * BK, T, N, G * N, 1, BT, BK)
@@ -169,7 +176,9 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
         i_h = i_r * (H // G) + i_j
         p_hb = h + (i_t.to(tl.int64) * H + i_h) * N * P
         p_dhb = dh + (i_t.to(tl.int64) * H + i_h) * N * P
-        b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid G
+        # the gate and its last value read before the head's products, so that their loads are in
+        # flight during them (docs/benchmarks.md, the choices table)
+        b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last G
         b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
         # the row scales dt, exp(G) and exp(G_last - G) go on the products, not on the loaded tiles,
         # so every product reads its operands as loaded and the head loop's pipeline can stage them
@@ -191,7 +200,7 @@ def output_bwd_dcb_kernel(C, B, x, dt, h, dh, do, g, M, dC, dB, ydo, hdh, R, cu_
         tl.store(ydo + (i_k * R + bos + i_c * BT + o_i) * H + i_h, tl.sum(b_c * b_dch, 1), mask=m_t)
         tl.store(hdh + (i_k * NT + i_t) * H + i_h, tl.sum(b_hdh, 0))
         b_dc += b_dch * fast_exp(b_g)[:, None]
-        b_db += b_dbh * (b_dt * fast_exp(tl.load(g + (bos + last) * H + i_h) - b_g))[:, None]
+        b_db += b_dbh * (b_dt * fast_exp(b_gl - b_g))[:, None]
     # the scores' terms M B and M^T C, with M and M^T both read from memory (no transpose in registers)
     p_m, m_m = tile(M + (i_t.to(tl.int64) * G + i_r) * BT * BT, 0, 0, BT, BT, BT, 1, BT, BT)
     p_mT, m_mT = tile(M + (i_t.to(tl.int64) * G + i_r) * BT * BT, 0, 0, BT, BT, 1, BT, BT, BT)
