@@ -261,6 +261,10 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
     if USE_G:
         b_P = b_dB * b_KK
         b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
+        if HAS_DG:
+            # read before the key loop below, so that its load is in flight during the loop's products
+            # (added after it, in the order of the sum as before)
+            b_dgi = tl.load(dg_in + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
     # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
     # never dB transposed as the first operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot
     # result used as a dot's first operand on Hopper: fla issue #640, Triton issue #6124), and no
@@ -285,7 +289,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_dk)
     if USE_G:
         if HAS_DG:
-            b_dgc += tl.load(dg_in + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
+            b_dgc += b_dgi
         b_dgc = tl.where(m_t, b_dgc, 0.)
         # back from cumulative to raw gates: a reverse cumsum inside the chunk
         b_dg = tl.sum(b_dgc, 0) - tl.cumsum(b_dgc, 0) + b_dgc

@@ -85,11 +85,11 @@ def cb_fwd_kernel(C, B, cb, cu_seqlens, chunk_indices, seq_len, G: tl.constexpr,
 @triton.jit
 def gated_scores(cb, g, i_t, i_c, i_h, bos, T, H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
                  TRANSPOSED: tl.constexpr):
-    """``(G, CB ⊙ causal ⊙ Γ_h)`` of head h's chunk from its group's CB tile, or the transpose
+    """``(G, G_last, CB ⊙ causal ⊙ Γ_h)`` of head h's chunk from its group's CB tile, or the transpose
     (``[j, i]``, the tile read transposed from memory rather than transposed in registers)."""
     o_i = tl.arange(0, BT)
     base = cb + (i_t.to(tl.int64) * G + i_h // (H // G)) * BT * BT
-    b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid G
+    b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last G
     if TRANSPOSED:
         p_cb, m_cb = tile(base, 0, 0, BT, BT, 1, BT, BT, BT)
         m_A = o_i[:, None] <= o_i[None, :]
@@ -98,7 +98,7 @@ def gated_scores(cb, g, i_t, i_c, i_h, bos, T, H: tl.constexpr, G: tl.constexpr,
         p_cb, m_cb = tile(base, 0, 0, BT, BT, BT, 1, BT, BT)
         m_A = o_i[:, None] >= o_i[None, :]
         b_A = tl.load(p_cb, mask=m_cb, other=0.) * fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
-    return b_g, tl.where(m_A, b_A, 0.)
+    return b_g, b_gl, tl.where(m_A, b_A, 0.)
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def output_fwd_kernel(C, x, dt, h, cb, g, D, o, cu_seqlens, chunk_indices, seq_l
         p_h, m_h = tile(h + (i_t.to(tl.int64) * H + i_h) * N * P, i_k * BK, i_v * BV, N, P, P, 1, BK, BV)
         b_c = tl.load(p_c, mask=m_c, other=0.)
         b_o += tl.dot(b_c, tl.load(p_h, mask=m_h, other=0.).to(b_c.dtype))
-    b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
+    b_g, _, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
     p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
     p_o, m_o = tile(o + (bos * H + i_h) * P, i_c * BT, i_v * BV, T, P, H * P, 1, BT, BV)
     b_x = tl.load(p_x, mask=m_x, other=0.)
@@ -246,15 +246,14 @@ def rows_bwd_kernel(B, x, dt, dh, cb, g, do, ydo, hdh, A, D, dx, ddt, dA, dD, R,
     p_x, m_x = tile(x + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
     p_do, m_do = tile(do + (bos * H + i_h) * P, i_c * BT, 0, T, P, H * P, 1, BT, BP)
     if not EARLY_LOADS:
-        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
+        b_g, b_gl, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
     b_x = tl.load(p_x, mask=m_x, other=0.)
     b_do = tl.load(p_do, mask=m_do, other=0.)
     b_dt = tl.load(dt + (bos + i_c * BT + o_i) * H + i_h, mask=m_t, other=0.)
     if EARLY_LOADS:
         b_b = load_tile(qk_rows(B, bos, i_h, H, G, N), i_c * BT, 0, T, N, G * N, 1, BT, BK)
         b_dh = load_tile(dh + (i_t.to(tl.int64) * H + i_h) * N * P, 0, 0, N, P, P, 1, BK, BP)
-        b_g, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
-    b_gl = tl.load(g + (bos + last) * H + i_h)
+        b_g, b_gl, b_A = gated_scores(cb, g, i_t, i_c, i_h, bos, T, H, G, BT, False)
     # v = x dt as a column scale of dy x^T and a row scale of x·dv (the dB/dC stage's v, in fp32)
     b_p = b_A * tl.dot(b_do, tl.trans(b_x)) * b_dt[None, :]  # (CB ⊙ Γ) ⊙ (dy v^T), fp32
     b_dG = b_ydo * fast_exp(b_g) + tl.sum(b_p, 1) - tl.sum(b_p, 0)
