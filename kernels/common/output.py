@@ -173,8 +173,7 @@ def _store_dw(dw, b_dw, bos, i_c, i_k, i_h, T, H: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, b_g, b_gl, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale,
-               TT,
-               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
+               TT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
                USE_W: tl.constexpr):
     """One chunk's dq, dk (and dw, dg) of key block ``i_k`` from the products over the values,
     ``b_dqs = do h^T``, ``b_dksT = dh v^T``, ``b_dw = dv h^T``, ``b_dS = do v^T`` (fp32), the

@@ -262,8 +262,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
         b_P = b_dB * b_KK
         b_dgc = tl.sum(b_P, 1) - tl.sum(b_P, 0)
         if HAS_DG:
-            # read before the key loop below, so that its load is in flight during the loop's products
-            # (added after it, in the order of the sum as before)
+            # read before the key loop below, so that its load is in flight during the loop's products;
+            # added after the loop's terms
             b_dgi = tl.load(dg_in + (g0 + o_i) * H + i_h, mask=m_t, other=0.)
     # dk = (dB + dB^T) k, the dB^T k half as (k^T dB)^T: a product's result transposed and added,
     # never dB transposed as the first operand (Triton 3.4 - 3.7.0 miscompile tl.trans of a dot
