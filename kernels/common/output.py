@@ -127,12 +127,13 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dS = tl.zeros([BT, BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
-    if USE_G:
-        # read before the products over the values, so that its loads are in flight during them
-        # rather than waited out after (docs/benchmarks.md, the choices table)
+    b_g, b_gl = None, None
+    if USE_G and USE_W:
+        # the delta rules' stage reads the gate before the products over the values, so that its
+        # loads are in flight during them rather than waited out after; the stage without w (simple
+        # GLA) leaves it to _dqk_chunk, after them, the form it was timed in (docs/benchmarks.md,
+        # the choices table)
         b_g, b_gl = chunk_gate_last(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last g
-    else:
-        b_g, b_gl = None, None
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = tile(v + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
         p_do, m_do = tile(do + (bos * H + i_h) * V, i_c * BT, i_v * BV, T, V, H * V, 1, BT, BV)
@@ -152,8 +153,8 @@ def output_bwd_dqk_kernel(q, k, v, h, dh, do, dv, g, dq, dk, dw, dg, cu_seqlens,
             b_dv = tl.load(p_dv, mask=m_dv, other=0.)
             b_dw += tl.dot(b_dv.to(b_h.dtype), b_h)
     b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
-    _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, b_g, b_gl, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale,
-               TT, H, K, BT, BK, USE_G, USE_W)
+    _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, b_g, b_gl, dq, dk, dw, dg, bos, i_c, i_k, i_h, T,
+               scale, TT, H, K, BT, BK, USE_G, USE_W)
 
 
 @triton.jit
@@ -172,19 +173,22 @@ def _store_dw(dw, b_dw, bos, i_c, i_k, i_h, T, H: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
-def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, b_g, b_gl, dq, dk, dw, dg, bos, i_c, i_k, i_h, T, scale,
-               TT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
+def _dqk_chunk(b_dqs, b_dksT, b_dw, b_dS, b_hdh, b_q, b_k, g, b_g, b_gl, dq, dk, dw, dg, bos, i_c, i_k, i_h, T,
+               scale, TT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
                USE_W: tl.constexpr):
     """One chunk's dq, dk (and dw, dg) of key block ``i_k`` from the products over the values,
     ``b_dqs = do h^T``, ``b_dksT = dh v^T``, ``b_dw = dv h^T``, ``b_dS = do v^T`` (fp32), the
-    chunk's q and k tiles and its gate and last gate (``tile.chunk_gate_last``; ``output_bwd_dqk``'s
-    and its walk's)."""
+    chunk's q and k tiles, and its gate and last gate where the caller read them (``b_g``, ``b_gl``;
+    else None, and with a gate they are read here from ``g``; ``output_bwd_dqk``'s and its walk's)."""
     o_i = tl.arange(0, BT)
     m_t = i_c * BT + o_i < T
     m_A = o_i[:, None] >= o_i[None, :]
     b_dqs *= scale
     if USE_G:
         last = tl.minimum((i_c + 1) * BT, T) - 1
+        if b_g is None:
+            b_gl = tl.load(g + (bos + last) * H + i_h)
+            b_g = chunk_gate(g, bos + i_c * BT, T - i_c * BT, i_h, H, BT)  # padded rows: the last valid g
         b_dqs *= fast_exp(b_g)[:, None]
         b_dksT *= fast_exp(tl.where(m_t, b_gl - b_g, 0.))[None, :]
         b_dS *= fast_exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.))
@@ -246,8 +250,8 @@ def output_bwd_dqk_walk_kernel(q, k, v, dh, do, dv, h0, dq, dk, dw, cu_seqlens, 
         b_dS = tl.dot(b_do, tl.trans(b_v).to(b_do.dtype))
         b_q, b_k = _qk_tiles(q, k, bos, i_c, i_k, i_h, T, H, HK, K, BT, BK)
         # no gate: the gate, its state term and dg are not read
-        _dqk_chunk(b_dqs, b_dksT, None, b_dS, None, b_q, b_k, None, None, dq, dk, dw, None, bos, i_c, i_k, i_h, T,
-                   scale, TT, H, K, BT, BK, False, False)
+        _dqk_chunk(b_dqs, b_dksT, None, b_dS, None, b_q, b_k, None, None, None, dq, dk, dw, None, bos, i_c, i_k, i_h,
+                   T, scale, TT, H, K, BT, BK, False, False)
         b_hT += tl.dot(tl.trans(b_v), b_k)
 
 
