@@ -195,10 +195,9 @@ def state_fwd_kernel(k, u, us, w, g, gk, h, v_new, h0, ht, q, s, o, skip, scale,
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seqlens, chunk_offsets, scale,
-                     SDV,
-                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
+def state_bwd_kernel(q, k, w, g, gk, s, do, dv, dh, dv2, dht, dh0, v, dA, cu_seqlens, chunk_offsets, scale, SDV,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr, USE_W: tl.constexpr, USE_G: tl.constexpr,
                      USE_GK: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, USE_DV: tl.constexpr,
                      INTRA_DV: tl.constexpr, KEPT_S: tl.constexpr, FORM_DA: tl.constexpr, FOLD: tl.constexpr):
     # INTRA_DV: the output's intra-chunk dv, scale (q k^T ⊙ causal ⊙ Γ)^T do, is formed here from the

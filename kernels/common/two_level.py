@@ -57,10 +57,9 @@ def gated_xT(b_x, g, gk, bos, T, i_c, i_h, k0, H: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def state_chunk_kernel(x, y, ys, g, gk, out, cu_seqlens, chunk_indices, seq_len, scale, H: tl.constexpr,
-                       HK: tl.constexpr, K: tl.constexpr,
-                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr, USE_YS: tl.constexpr,
-                       FOLD: tl.constexpr):
+                       HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAY: tl.constexpr,
+                       USE_YS: tl.constexpr, FOLD: tl.constexpr):
     """One chunk's term of the element-wise recursion, ``out[i_t] = scale (x ⊙ f)^T y`` (fp32):
     ``ΔS`` (x = k, y = v, f = exp(g_last - g), DECAY) or ``ΔD`` (x = q, y = do, f = exp(g)); with
     USE_YS the rows of y are scaled by ``ys [B, T, H]`` first (``state_fwd``'s ``u_scale``)."""
@@ -116,10 +115,9 @@ def state_scan_kernel(d, g, gk, h, s0, sT, cu_seqlens, chunk_offsets, H: tl.cons
 
 
 @triton.jit
-def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, seq_len, SDV, H: tl.constexpr, HK: tl.constexpr,
-                    K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-                    USE_GK: tl.constexpr, FOLD: tl.constexpr):
+def state_dv_kernel(k, g, gk, dh, dv, dv2, cu_seqlens, chunk_indices, seq_len, SDV, H: tl.constexpr,
+                    HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, FOLD: tl.constexpr):
     """``dv2 = dv + (k ⊙ exp(g_last - g)) dh[c]``, chunk-parallel (``dh`` already known); ``SDV`` is
     dv2's token stride."""
     i_v, i_t, i_h = grid_ids(tl.cdiv(V, BV), FOLD)
@@ -180,7 +178,7 @@ def dv_with_states(k: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, plan: Ch
     dv2 = torch.empty_like(dv) if out is None else out
     grid, fold = rows_grid(cdiv(V, cfg["BV"]), plan.num_chunks, H)
     state_dv_kernel[grid](
-        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, token_stride("dv_out", dv2, dv.shape),
-        H=H, HK=HK, K=K, V=V, BT=plan.chunk_size,
-        USE_G=g is not None, USE_GK=gk is not None, FOLD=fold, **cfg)
+        k, g, gk, dh, dv, dv2, plan.cu_seqlens, plan.chunk_indices, plan.seq_len,
+        token_stride("dv_out", dv2, dv.shape), H=H, HK=HK, K=K, V=V, BT=plan.chunk_size, USE_G=g is not None,
+        USE_GK=gk is not None, FOLD=fold, **cfg)
     return dv2

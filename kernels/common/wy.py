@@ -106,8 +106,7 @@ def wy_inverse_kernel(k, beta, g, S, Ai, cu_seqlens, chunk_indices, seq_len, H: 
     The substitutions run in fp32 through the scratch ``S``; ``Ai`` takes each finished block in
     the inputs' dtype, the one its readers round it to for their products."""
     i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
-                                                                          seq_len, H, BT,
-                                                                        USE_G)
+                                                                          seq_len, H, BT, USE_G)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k, m_k = tile(k + (bos * H + i_h) * K, i_c * BT, i_k * BK, T, K, H * K, 1, BT, BK)
@@ -172,8 +171,7 @@ def wy_fwd_kernel(k, v, beta, g, w, u, Ai, q, s, cu_seqlens, chunk_indices, seq_
     chunk's ``s = q k^T ⊙ causal ⊙ Γ`` (in s's dtype, the layout of ``Ai``), from the k tiles
     loaded for w."""
     i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
-                                                                          seq_len, H, BT,
-                                                                        USE_G)
+                                                                          seq_len, H, BT, USE_G)
     b_T = tl.load(Ai + o_A, mask=m_t[:, None], other=0.) * b_beta[None, :]  # [BT, BT]
     if SCORES:
         b_S = tl.zeros([BT, BT], dtype=tl.float32)
@@ -207,8 +205,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk_in, dg_in, dk, dv, dbeta, dg, cu
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr, HAS_DK: tl.constexpr, HAS_DG: tl.constexpr):
     i_h, i_c, bos, T, g0, n_valid, o_i, m_t, b_beta, b_g, o_A = _wy_chunk(beta, g, cu_seqlens, chunk_indices,
-                                                                          seq_len, H, BT,
-                                                                        USE_G)
+                                                                          seq_len, H, BT, USE_G)
     m_A = o_i[:, None] > o_i[None, :]
     dt = k.dtype.element_ty
     if USE_G:
@@ -321,8 +318,8 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, plan: ChunkPlan
                                 BT=BT, BK=BK, USE_G=g is not None, **tuned("wy_inverse", num_warps=WY_INVERSE_WARPS))
     scores = None if q is None else torch.empty(B, T, H, BT, device=k.device, dtype=q.dtype)
     wy_fwd_kernel[grid](k, v, beta, g, w, u, Ai, q, scores, plan.cu_seqlens, plan.chunk_indices, plan.seq_len, H=H,
-                        K=K, V=V, BT=BT,
-                        USE_G=g is not None, SCORES=q is not None, **tuned("wy_fwd", BK=BK, BV=BV, num_warps=4))
+                        K=K, V=V, BT=BT, USE_G=g is not None, SCORES=q is not None,
+                        **tuned("wy_fwd", BK=BK, BV=BV, num_warps=4))
     return (w, u, Ai) if q is None else (w, u, Ai, scores)
 
 
